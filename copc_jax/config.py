@@ -1,0 +1,117 @@
+"""Typed experiment configuration, converted once from an `ml_collections.ConfigDict`.
+
+Config files (`configs/*.py`) hold plain values; `from_config_dict` validates
+them and returns frozen dataclasses that the library takes. A preset fills the
+estimator and the actor loss; any field set in the config file (not None)
+overrides the preset's value. Every error names the field, the value and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from copc_jax import presets
+from copc_jax.losses import ActorLossConfig, ValueLossConfig
+from copc_jax.presets import EstimatorConfig
+
+JOBS = ("gradient_check",)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientCheckConfig:
+  """The synthetic off-policy gradient check (`copc_jax.synthetic`)."""
+
+  num_trajectories: int = 4096
+  num_steps: int = 32
+  tool_every: int = 4
+  staleness_drifts: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0)
+  value_noise: float = 0.0
+  presets: tuple[str, ...] = tuple(presets.PRESETS)
+
+  def __post_init__(self):
+    for name in ("num_trajectories", "num_steps"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+    if self.tool_every < 0:
+      raise ValueError(f"tool_every must be >= 0 (0 = no tool tokens); got {self.tool_every}")
+    if any(d < 0 for d in self.staleness_drifts):
+      raise ValueError(f"staleness_drifts must be >= 0; got {self.staleness_drifts}")
+    if self.value_noise < 0:
+      raise ValueError(f"value_noise must be >= 0; got {self.value_noise}")
+    for name in self.presets:
+      presets.get_preset(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  job: str
+  preset: str
+  seed: int
+  estimator: EstimatorConfig
+  actor: ActorLossConfig
+  value: ValueLossConfig
+  gradient_check: GradientCheckConfig
+
+
+def _as_plain(value):
+  if hasattr(value, "to_dict"):
+    return value.to_dict()
+  return value
+
+
+def _coerce(path: str, value, default):
+  """`value` with the type of the field's default (int → float, list → tuple), or an error."""
+  if isinstance(value, list):
+    value = tuple(value)
+  if default is None or isinstance(value, type(default)) and not (
+      isinstance(value, bool) and not isinstance(default, bool)):
+    return value
+  if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  raise ValueError(f"{path} must be a {type(default).__name__} like {default!r}; got {value!r}")
+
+
+def _build(cls, section: str, values: dict[str, Any], base=None):
+  """`cls` from `values`, starting from `base`; unknown keys and bad values name the field."""
+  values = {k: v for k, v in _as_plain(values or {}).items() if v is not None}
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise ValueError(f"config.{section}: unknown field(s) {unknown}; allowed: {sorted(known)}")
+  reference = base if base is not None else cls()
+  for key, value in values.items():
+    values[key] = _coerce(f"config.{section}.{key}", value, getattr(reference, key))
+  try:
+    return dataclasses.replace(base, **values) if base is not None else cls(**values)
+  except (TypeError, ValueError) as err:
+    raise ValueError(f"config.{section}.{err}") from None
+
+
+def from_config_dict(config) -> ExperimentConfig:
+  """Validate a ConfigDict (or plain dict) and return the typed configuration."""
+  config = _as_plain(config)
+  allowed = {"job", "preset", "seed", "estimator", "actor", "value", "gradient_check"}
+  unknown = sorted(set(config) - allowed)
+  if unknown:
+    raise ValueError(f"config: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+  job = config.get("job", "gradient_check")
+  if job not in JOBS:
+    raise ValueError(f"config.job must be one of {JOBS}; got {job!r}")
+  try:
+    preset = presets.get_preset(config.get("preset", "copc"))
+  except ValueError as err:
+    raise ValueError(f"config.{err}") from None
+  seed = config.get("seed", 0)
+  if not isinstance(seed, int) or seed < 0:
+    raise ValueError(f"config.seed must be a non-negative int; got {seed!r}")
+  return ExperimentConfig(
+      job=job,
+      preset=config.get("preset", "copc"),
+      seed=seed,
+      estimator=_build(EstimatorConfig, "estimator", config.get("estimator"), preset.estimator),
+      actor=_build(ActorLossConfig, "actor", config.get("actor"), preset.actor),
+      value=_build(ValueLossConfig, "value", config.get("value")),
+      gradient_check=_build(GradientCheckConfig, "gradient_check", config.get("gradient_check")),
+  )

@@ -1,0 +1,237 @@
+"""Coupled off-policy advantage estimation (COPC's advantage channel).
+
+Reads `coupled_advantages` as specified for copc_jax: over the policy-generated
+tokens of a trajectory, in order (tool/prompt/padding positions, `mask = 0`, are
+skipped without breaking the chain),
+
+    r_t    = exp(log π_prox(y_t) − log μ(y_t))
+    δ_t    = R_t + γ · V_next(t) − V_t
+    ρ̃_t    = clip(r_t, rho_min, rho_max)
+    c̃_t    = λ · clip(r_t, trace_min, trace_max)
+    G_t    = ρ̃_t · δ_t + γ · c̃_t · G_next(t)          G after the last token = 0
+    returns_t    = V_t + G_t
+    advantages_t = G_t                                   advantage_form="trace"
+    advantages_t = ρ̃_t · (δ_t + γ · λ · G_next(t))       advantage_form="vtrace_pg"
+
+where V_next(t) is the value at the next policy token (the bootstrap value after
+the last one) and R_t also holds the rewards of the masked positions that follow
+token t (a tool call's reward is credited to the token that made the call;
+rewards before the first policy token have no token to credit and are unused).
+A token whose ratio is not finite gets ρ̃ = c̃ = 0.
+The vtrace_pg line is IMPALA's ρ̃_t (R_t + γ(λ v_next + (1 − λ) V_next) − V_t)
+with v_next = V_next + G_next, rearranged.
+
+Special cases: rho = trace = (1, 1) is GAE(γ, λ); rho = (0, ρ̄), trace = (0, 1)
+with "vtrace_pg" is V-trace (Espeholt et al., 2018).
+
+Implementation: a reverse scan whose carry is (G, U) with
+U = γ · V_next + (rewards of masked positions seen since the next policy token).
+A policy token sets G ← ρ̃ (R − V + U) + γ c̃ G and U ← γ V; a masked token
+leaves G alone and adds its reward to U. Each position is therefore an affine
+map of the carry, which also gives the `associative_scan` variant: compose the
+maps in O(log T) depth.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+AdvantageForm = Literal["trace", "vtrace_pg"]
+ADVANTAGE_FORMS = ("trace", "vtrace_pg")
+SCAN_IMPLS = ("scan", "associative")
+
+# Clip ranges of the named special cases of the estimator.
+GAE_CLIPS = dict(rho_clip=(1.0, 1.0), trace_clip=(1.0, 1.0))
+INF = float("inf")
+
+
+def _check_args(rewards, values, target_logprobs, behavior_logprobs, mask,
+                rho_clip, trace_clip, advantage_form, bootstrap_value):
+  shape = jnp.shape(rewards)
+  if len(shape) != 2:
+    raise ValueError(f"rewards must have shape [B, T]; got {shape}")
+  for name, x in (("values", values), ("target_logprobs", target_logprobs),
+                  ("behavior_logprobs", behavior_logprobs), ("mask", mask)):
+    if jnp.shape(x) != shape:
+      raise ValueError(f"{name} must have the shape of rewards {shape}; got {jnp.shape(x)}")
+  if bootstrap_value is not None and jnp.shape(bootstrap_value) != shape[:1]:
+    raise ValueError(
+        f"bootstrap_value must have shape [B] = {shape[:1]}; got {jnp.shape(bootstrap_value)}")
+  if advantage_form not in ADVANTAGE_FORMS:
+    raise ValueError(f"advantage_form must be one of {ADVANTAGE_FORMS}; got {advantage_form!r}")
+  for name, (lo, hi) in (("rho_clip", rho_clip), ("trace_clip", trace_clip)):
+    if not lo <= hi:
+      raise ValueError(f"{name} must satisfy min <= max; got {(lo, hi)}")
+
+
+def _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
+                     gamma, lam, rho_clip, trace_clip):
+  """Float32 [B, T] inputs of the recursion: R, V, ρ̃, γ·c̃ and the mask."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  rewards_bt, values_bt = f32(rewards), f32(values)
+  mask_bt = jnp.asarray(mask, bool)
+  log_ratio_bt = f32(target_logprobs) - f32(behavior_logprobs)
+  # Masked positions may hold anything (padding, −inf log-probs): keep them out
+  # of exp so no NaN can leak through a multiplication by zero.
+  ratio_bt = jnp.exp(jnp.where(mask_bt, log_ratio_bt, 0.0))
+  # A non-finite ratio gives its token no weight and cuts the trace there,
+  # instead of turning every earlier advantage of the sequence into NaN.
+  finite_bt = jnp.isfinite(log_ratio_bt) | ~mask_bt
+  rho_bt = jnp.where(finite_bt, jnp.clip(ratio_bt, *rho_clip), 0.0)
+  discounted_trace_bt = jnp.where(finite_bt, gamma * lam * jnp.clip(ratio_bt, *trace_clip), 0.0)
+  return rewards_bt, values_bt, rho_bt, discounted_trace_bt, mask_bt
+
+
+def _scan_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
+               gamma, lam, advantage_form):
+  """Reverse `lax.scan` over time with carry (G, U); returns G and (optionally) the pg advantage."""
+  want_pg = advantage_form == "vtrace_pg"
+
+  def step(carry, x):
+    g_next, u_next = carry
+    r_t, v_t, rho_t, trace_t, policy_t = x
+    rho_delta_t = rho_t * (r_t - v_t + u_next)          # ρ̃_t δ_t (U holds γV_next + masked rewards)
+    g_t = jnp.where(policy_t, rho_delta_t + trace_t * g_next, g_next)
+    u_t = jnp.where(policy_t, gamma * v_t, u_next + r_t)
+    out = (g_t, rho_delta_t + gamma * lam * rho_t * g_next) if want_pg else g_t
+    return (g_t, u_t), out
+
+  batch = rewards_bt.shape[0]
+  xs = tuple(x.T for x in (rewards_bt, values_bt, rho_bt, trace_bt, mask_bt))  # [T, B]
+  init = (jnp.zeros((batch,), jnp.float32), gamma * bootstrap_b)
+  _, out = jax.lax.scan(step, init, xs, reverse=True)
+  if want_pg:
+    g_tb, pg_tb = out
+    return g_tb.T, pg_tb.T
+  return out.T, None
+
+
+def _compose(later, earlier):
+  """Composition of per-position affine maps of the carry (G, U).
+
+  A map (α, β, κ, u, ν) sends the carry (G', U') that follows a position to
+  G = α + β G' + κ U',  U = u + ν U'. The result applies `later` first, then
+  `earlier`.
+  """
+  a2, b2, k2, u2, n2 = later
+  a1, b1, k1, u1, n1 = earlier
+  return (a1 + b1 * a2 + k1 * u2, b1 * b2, b1 * k2 + k1 * n2, u1 + n1 * u2, n1 * n2)
+
+
+def _associative_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
+                      gamma, lam, advantage_form):
+  """Same recursion as `_scan_impl`, solved with `lax.associative_scan` (O(log T) depth)."""
+  zeros, ones = jnp.zeros_like(rewards_bt), jnp.ones_like(rewards_bt)
+  maps = (
+      jnp.where(mask_bt, rho_bt * (rewards_bt - values_bt), 0.0),  # α
+      jnp.where(mask_bt, trace_bt, 1.0),                           # β
+      jnp.where(mask_bt, rho_bt, 0.0),                             # κ
+      jnp.where(mask_bt, gamma * values_bt, rewards_bt),           # u
+      jnp.where(mask_bt, zeros, ones),                             # ν
+  )
+  # With reverse=True the combine function receives (maps of later positions, earlier ones).
+  alpha, _, kappa, _, _ = jax.lax.associative_scan(_compose, maps, axis=1, reverse=True)
+  # Evaluate the composed maps at the terminal carry (G, U) = (0, γ·bootstrap).
+  g_bt = alpha + kappa * (gamma * bootstrap_b)[:, None]   # G at the next policy token ≥ t
+  if advantage_form != "vtrace_pg":
+    return g_bt, None
+  g_next_bt = jnp.concatenate([g_bt[:, 1:], jnp.zeros_like(g_bt[:, :1])], axis=1)
+  # ρ̃(δ + γλ G_next) = G_t + γ(λρ̃ − λ·clip(r)) G_next; trace_bt is γλ·clip(r).
+  pg_bt = g_bt + (gamma * lam * rho_bt - trace_bt) * g_next_bt
+  return g_bt, pg_bt
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("gamma", "lam", "rho_clip", "trace_clip", "advantage_form", "impl"))
+def _coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask,
+                        bootstrap_value, *, gamma, lam, rho_clip, trace_clip,
+                        advantage_form, impl):
+  terms = _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
+                           gamma, lam, rho_clip, trace_clip)
+  rewards_bt, values_bt, rho_bt, trace_bt, mask_bt = terms
+  if bootstrap_value is None:
+    bootstrap_b = jnp.zeros(rewards_bt.shape[:1], jnp.float32)
+  else:
+    bootstrap_b = jnp.asarray(bootstrap_value, jnp.float32)
+  solve = _scan_impl if impl == "scan" else _associative_impl
+  g_bt, pg_bt = solve(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
+                      gamma, lam, advantage_form)
+  advantages_bt = g_bt if pg_bt is None else pg_bt
+  returns_bt = values_bt + g_bt
+  return (jnp.where(mask_bt, advantages_bt, 0.0), jnp.where(mask_bt, returns_bt, 0.0))
+
+
+def coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask, *,
+                       gamma: float = 1.0, lam: float = 1.0,
+                       rho_clip: tuple[float, float] = (0.5, 2.0),
+                       trace_clip: tuple[float, float] = (0.5, 1.0),
+                       bootstrap_value=None,
+                       advantage_form: AdvantageForm = "trace",
+                       impl: str = "scan"):
+  """Advantages and value targets with two-sided clipped-ratio weighting of TD residuals.
+
+  Args:
+    rewards: float [B, T], reward received after each position.
+    values: float [B, T], V_t at every position (only policy positions are read).
+    target_logprobs: float [B, T], log π_prox of each token.
+    behavior_logprobs: float [B, T], log μ of each token (from the sampler).
+    mask: bool [B, T], True where the policy generated the token.
+    gamma: discount per policy token, γ ≥ 0.
+    lam: trace decay λ ∈ [0, 1].
+    rho_clip: (min, max) clip of the TD-residual weight ρ̃.
+    trace_clip: (min, max) clip of the trace coefficient c̃ (before λ).
+    bootstrap_value: float [B], value after the last position; None means 0
+      (the episode ended).
+    advantage_form: "trace" (advantage = G_t) or "vtrace_pg".
+    impl: "scan" (reverse `lax.scan`) or "associative" (`lax.associative_scan`).
+
+  Returns:
+    (advantages, returns): float32 [B, T], 0 where `mask` is False. Targets are
+    not stop-gradiented here; the losses do that. No whitening.
+  """
+  if impl not in SCAN_IMPLS:
+    raise ValueError(f"impl must be one of {SCAN_IMPLS}; got {impl!r}")
+  rho_clip = tuple(float(x) for x in rho_clip)
+  trace_clip = tuple(float(x) for x in trace_clip)
+  _check_args(rewards, values, target_logprobs, behavior_logprobs, mask,
+              rho_clip, trace_clip, advantage_form, bootstrap_value)
+  if gamma < 0:
+    raise ValueError(f"gamma must be >= 0; got {gamma}")
+  if not 0.0 <= lam <= 1.0:
+    raise ValueError(f"lam must be in [0, 1]; got {lam}")
+  return _coupled_advantages(
+      rewards, values, target_logprobs, behavior_logprobs, mask, bootstrap_value,
+      gamma=float(gamma), lam=float(lam), rho_clip=rho_clip, trace_clip=trace_clip,
+      advantage_form=advantage_form, impl=impl)
+
+
+def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0,
+        bootstrap_value=None, impl: str = "scan"):
+  """GAE(γ, λ) over policy tokens: `coupled_advantages` with every ratio clipped to 1."""
+  zeros = jnp.zeros(jnp.shape(rewards), jnp.float32)
+  return coupled_advantages(rewards, values, zeros, zeros, mask, gamma=gamma, lam=lam,
+                            bootstrap_value=bootstrap_value, impl=impl, **GAE_CLIPS)
+
+
+def vtrace(rewards, values, target_logprobs, behavior_logprobs, mask, *,
+           gamma: float = 1.0, lam: float = 1.0, rho_bar: float = 1.0, c_bar: float = 1.0,
+           bootstrap_value=None, impl: str = "scan"):
+  """V-trace targets and policy-gradient advantages (one-sided clips ρ̄, c̄)."""
+  return coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask,
+                            gamma=gamma, lam=lam, rho_clip=(0.0, rho_bar),
+                            trace_clip=(0.0, c_bar), bootstrap_value=bootstrap_value,
+                            advantage_form="vtrace_pg", impl=impl)
+
+
+def whiten(advantages, mask, eps: float = 1e-6):
+  """(A − mean) / std over the policy tokens of the batch; 0 elsewhere."""
+  mask_f = jnp.asarray(mask, jnp.float32)
+  count = jnp.maximum(mask_f.sum(), 1.0)
+  mean = (advantages * mask_f).sum() / count
+  var = (jnp.square(advantages - mean) * mask_f).sum() / count
+  return jnp.where(mask, (advantages - mean) * jax.lax.rsqrt(var + eps), 0.0)

@@ -1,0 +1,83 @@
+"""The named methods of the COPC comparison: one estimator and one loss, different knobs.
+
+| preset          | policy channel                      | advantage channel          |
+| --------------- | ----------------------------------- | -------------------------- |
+| sync_ppo        | PPO vs π_prox (staleness 0)         | GAE                        |
+| async_ppo       | PPO with q against μ, no mask       | GAE                        |
+| decoupled_ppo   | PPO vs π_prox × min(r, w_max = 5)   | GAE                        |
+| tis             | PPO vs π_prox × min(r, C = 2)       | GAE                        |
+| icepop / mis    | PPO vs π_prox × r·1[0.5 ≤ r ≤ 5]    | GAE                        |
+| vtrace          | PPO vs π_prox                       | V-trace, one-sided clips   |
+| copc            | token mask 1[0.5 ≤ r ≤ 2]           | two-sided clipped TD       |
+
+In `vtrace` and `copc` the advantage already carries the ratio of the token
+being updated, so the policy channel carries none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from copc_jax import estimators
+from copc_jax.losses import ActorLossConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorConfig:
+  """Advantage channel: the arguments of `estimators.coupled_advantages` plus whitening."""
+
+  gamma: float = 1.0
+  lam: float = 1.0
+  rho_clip: tuple[float, float] = (0.5, 2.0)
+  trace_clip: tuple[float, float] = (0.5, 1.0)
+  advantage_form: str = "trace"
+  whiten_advantages: bool = True
+  impl: str = "scan"
+
+  def __post_init__(self):
+    if self.gamma < 0:
+      raise ValueError(f"gamma must be >= 0; got {self.gamma}")
+    if not 0 <= self.lam <= 1:
+      raise ValueError(f"lam must be in [0, 1]; got {self.lam}")
+    for name in ("rho_clip", "trace_clip"):
+      lo, hi = getattr(self, name)
+      if not 0 <= lo <= hi:
+        raise ValueError(f"{name} must satisfy 0 <= min <= max; got {tuple(getattr(self, name))}")
+    if self.advantage_form not in estimators.ADVANTAGE_FORMS:
+      raise ValueError(f"advantage_form must be one of {estimators.ADVANTAGE_FORMS}; "
+                       f"got {self.advantage_form!r}")
+    if self.impl not in estimators.SCAN_IMPLS:
+      raise ValueError(f"impl must be one of {estimators.SCAN_IMPLS}; got {self.impl!r}")
+
+  def estimator_kwargs(self) -> dict:
+    return dict(gamma=self.gamma, lam=self.lam, rho_clip=self.rho_clip,
+                trace_clip=self.trace_clip, advantage_form=self.advantage_form, impl=self.impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  estimator: EstimatorConfig
+  actor: ActorLossConfig
+
+
+_GAE = EstimatorConfig(rho_clip=(1.0, 1.0), trace_clip=(1.0, 1.0))
+_ICEPOP = Preset(_GAE, ActorLossConfig(behavior_weight="masked_ratio", mask_range=(0.5, 5.0)))
+
+PRESETS: dict[str, Preset] = {
+    "sync_ppo": Preset(_GAE, ActorLossConfig(behavior_weight="none")),
+    "async_ppo": Preset(_GAE, ActorLossConfig(policy_ratio="behavior", behavior_weight="none")),
+    "decoupled_ppo": Preset(_GAE, ActorLossConfig(behavior_weight="truncate", weight_cap=5.0)),
+    "tis": Preset(_GAE, ActorLossConfig(behavior_weight="truncate", weight_cap=2.0)),
+    "icepop": _ICEPOP,
+    "mis": _ICEPOP,
+    "vtrace": Preset(
+        EstimatorConfig(rho_clip=(0.0, 1.0), trace_clip=(0.0, 1.0), advantage_form="vtrace_pg"),
+        ActorLossConfig(behavior_weight="none")),
+    "copc": Preset(EstimatorConfig(), ActorLossConfig(behavior_weight="mask", mask_range=(0.5, 2.0))),
+}
+
+
+def get_preset(name: str) -> Preset:
+  if name not in PRESETS:
+    raise ValueError(f"preset must be one of {sorted(PRESETS)}; got {name!r}")
+  return PRESETS[name]
