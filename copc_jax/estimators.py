@@ -88,7 +88,7 @@ def _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
 
 def _scan_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
                gamma, lam, advantage_form):
-  """Reverse `lax.scan` over time with carry (G, U); returns G and (optionally) the pg advantage."""
+  """Reverse `lax.scan` over time with carry (G, U); returns (advantages, returns)."""
   want_pg = advantage_form == "vtrace_pg"
 
   def step(carry, x):
@@ -97,17 +97,17 @@ def _scan_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
     rho_delta_t = rho_t * (r_t - v_t + u_next)          # ρ̃_t δ_t (U holds γV_next + masked rewards)
     g_t = jnp.where(policy_t, rho_delta_t + trace_t * g_next, g_next)
     u_t = jnp.where(policy_t, gamma * v_t, u_next + r_t)
-    out = (g_t, rho_delta_t + gamma * lam * rho_t * g_next) if want_pg else g_t
-    return (g_t, u_t), out
+    advantage_t = rho_delta_t + gamma * lam * rho_t * g_next if want_pg else g_t
+    # Writing the masked outputs here, time-major, is faster on CPU than a
+    # strided read of G by a fusion after the loop.
+    outputs = (jnp.where(policy_t, advantage_t, 0.0), jnp.where(policy_t, v_t + g_t, 0.0))
+    return (g_t, u_t), outputs
 
   batch = rewards_bt.shape[0]
   xs = tuple(x.T for x in (rewards_bt, values_bt, rho_bt, trace_bt, mask_bt))  # [T, B]
   init = (jnp.zeros((batch,), jnp.float32), gamma * bootstrap_b)
-  _, out = jax.lax.scan(step, init, xs, reverse=True)
-  if want_pg:
-    g_tb, pg_tb = out
-    return g_tb.T, pg_tb.T
-  return out.T, None
+  _, (advantages_tb, returns_tb) = jax.lax.scan(step, init, xs, reverse=True)
+  return advantages_tb.T, returns_tb.T
 
 
 def _compose(later, earlier):
@@ -137,12 +137,12 @@ def _associative_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstra
   alpha, _, kappa, _, _ = jax.lax.associative_scan(_compose, maps, axis=1, reverse=True)
   # Evaluate the composed maps at the terminal carry (G, U) = (0, γ·bootstrap).
   g_bt = alpha + kappa * (gamma * bootstrap_b)[:, None]   # G at the next policy token ≥ t
-  if advantage_form != "vtrace_pg":
-    return g_bt, None
-  g_next_bt = jnp.concatenate([g_bt[:, 1:], jnp.zeros_like(g_bt[:, :1])], axis=1)
-  # ρ̃(δ + γλ G_next) = G_t + γ(λρ̃ − λ·clip(r)) G_next; trace_bt is γλ·clip(r).
-  pg_bt = g_bt + (gamma * lam * rho_bt - trace_bt) * g_next_bt
-  return g_bt, pg_bt
+  advantages_bt = g_bt
+  if advantage_form == "vtrace_pg":
+    g_next_bt = jnp.concatenate([g_bt[:, 1:], jnp.zeros_like(g_bt[:, :1])], axis=1)
+    # ρ̃(δ + γλ G_next) = G_t + γ(λρ̃ − λ·clip(r)) G_next; trace_bt is γλ·clip(r).
+    advantages_bt = g_bt + (gamma * lam * rho_bt - trace_bt) * g_next_bt
+  return (jnp.where(mask_bt, advantages_bt, 0.0), jnp.where(mask_bt, values_bt + g_bt, 0.0))
 
 
 @functools.partial(
@@ -159,11 +159,8 @@ def _coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mas
   else:
     bootstrap_b = jnp.asarray(bootstrap_value, jnp.float32)
   solve = _scan_impl if impl == "scan" else _associative_impl
-  g_bt, pg_bt = solve(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
-                      gamma, lam, advantage_form)
-  advantages_bt = g_bt if pg_bt is None else pg_bt
-  returns_bt = values_bt + g_bt
-  return (jnp.where(mask_bt, advantages_bt, 0.0), jnp.where(mask_bt, returns_bt, 0.0))
+  return solve(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
+               gamma, lam, advantage_form)
 
 
 def coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask, *,

@@ -1,0 +1,80 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import default
+from copc_jax import config as config_lib
+from copc_jax import presets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_every_preset_config_loads_with_the_preset_values(name):
+  config = config_lib.from_config_dict(default.get_config(name))
+  assert config.preset == name
+  assert config.estimator == presets.PRESETS[name].estimator
+  assert config.actor == presets.PRESETS[name].actor
+
+
+def test_fields_override_the_preset():
+  raw = default.get_config("tis")
+  raw.estimator.rho_clip = (0.8, 1.5)
+  raw.actor.weight_cap = 3
+  config = config_lib.from_config_dict(raw)
+  assert config.estimator.rho_clip == (0.8, 1.5)
+  assert config.actor.weight_cap == 3.0 and isinstance(config.actor.weight_cap, float)
+  assert config.actor.behavior_weight == "truncate"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: setattr(c, "preset", "ppo2"), r"config.preset must be one of .*'ppo2'"),
+    (lambda c: setattr(c.estimator, "rho_clip", (2.0, 1.0)),
+     r"config.estimator.rho_clip must satisfy 0 <= min <= max; got \(2.0, 1.0\)"),
+    (lambda c: setattr(c.estimator, "gamma", -0.5), r"config.estimator.gamma must be >= 0; got -0.5"),
+    (lambda c: setattr(c.actor, "mask_range", (3.0, 1.0)), r"config.actor.mask_range"),
+    (lambda c: setattr(c.estimator, "advantage_form", "gae"), r"config.estimator.advantage_form"),
+    (lambda c: setattr(c.gradient_check, "num_steps", 0), r"config.gradient_check.num_steps"),
+    (lambda c: setattr(c, "job", "fly"), r"config.job must be one of"),
+])
+def test_bad_values_fail_at_load_time_with_field_value_and_allowed(mutate, message):
+  raw = default.get_config()
+  mutate(raw)
+  with pytest.raises(ValueError, match=message):
+    config_lib.from_config_dict(raw)
+
+
+def test_wrong_type_and_unknown_field():
+  raw = default.get_config().to_dict()
+  raw["estimator"]["lam"] = "high"
+  with pytest.raises(ValueError, match=r"config.estimator.lam must be a float.*'high'"):
+    config_lib.from_config_dict(raw)
+  raw = default.get_config().to_dict()
+  raw["actor"]["eps"] = 0.1
+  with pytest.raises(ValueError, match=r"config.actor: unknown field\(s\) \['eps'\]"):
+    config_lib.from_config_dict(raw)
+
+
+def run_main(*args):
+  return subprocess.run(
+      [sys.executable, "-m", "copc_jax.main", *args], cwd=ROOT, capture_output=True, text=True,
+      timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+
+
+def test_main_runs_the_smoke_job_through_absl_flags(tmp_path):
+  result = run_main("--config=configs/default.py", f"--workdir={tmp_path}",
+                    "--config.gradient_check.num_trajectories=64",
+                    "--config.gradient_check.num_steps=6",
+                    "--config.gradient_check.staleness_drifts=(0.0,1.0)")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "copc" in result.stdout and "grad err" in result.stdout
+  assert (tmp_path / "gradient_check.json").exists()
+
+
+def test_main_rejects_a_bad_override_naming_the_field(tmp_path):
+  result = run_main("--config=configs/default.py", f"--workdir={tmp_path}",
+                    "--config.estimator.gamma=-1.0")
+  assert result.returncode != 0
+  assert "config.estimator.gamma must be >= 0; got -1.0" in result.stderr

@@ -1,0 +1,33 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from copc_jax import estimators
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import bench_estimators  # noqa: E402
+
+
+def test_benchmark_numpy_loop_computes_the_same_advantages():
+  rng = np.random.default_rng(0)
+  shape = (4, 50)
+  rewards, values = rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+  log_ratio = (0.4 * rng.normal(size=shape)).astype(np.float32)
+  mask = rng.random(shape) < 0.7
+  bootstrap = rng.normal(size=4).astype(np.float32)
+  adv, _ = estimators.coupled_advantages(rewards, values, log_ratio, np.zeros_like(log_ratio), mask,
+                                         bootstrap_value=bootstrap)
+  loop = bench_estimators.numpy_reverse_loop(rewards, values, log_ratio, mask, bootstrap)
+  np.testing.assert_allclose(np.where(mask, loop, 0.0), np.asarray(adv), atol=1e-5)
+
+
+def test_benchmark_script_runs():
+  result = subprocess.run(
+      [sys.executable, "experiments/bench_estimators.py", "--batch=4", "--lengths", "64",
+       "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "scan/rlax" in result.stdout
