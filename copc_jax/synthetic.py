@@ -23,6 +23,8 @@ not A^π: COPC's advantage staleness.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -157,9 +159,6 @@ def gradient_check(batch: OffPolicyBatch, preset_name: str) -> dict[str, float]:
 
 def run(config, workdir: str) -> list[dict]:
   """The `gradient_check` job: every preset at every drift; a table on stdout, JSON in workdir."""
-  import json
-  import os
-
   check = config.gradient_check
   rows = []
   for drift in check.staleness_drifts:
