@@ -31,10 +31,13 @@ def best_time(fn, *args, repeats):
 
 
 @jax.jit
-def rlax_vtrace(values, values_next, rewards, discounts, ratios):
+def rlax_vtrace(rewards, values, target_logprobs, behavior_logprobs, bootstrap_value):
+  """rlax V-trace from the same inputs as copc_jax: ratios and next values built here."""
+  values_next = jnp.concatenate([values[:, 1:], bootstrap_value[:, None]], axis=1)
+  ratios = jnp.exp(target_logprobs - behavior_logprobs)
   out = jax.vmap(functools.partial(rlax.vtrace_td_error_and_advantage, lambda_=1.0,
                                    clip_rho_threshold=1.0, clip_pg_rho_threshold=1.0))(
-      values, values_next, rewards, discounts, ratios)
+      values, values_next, rewards, jnp.ones_like(rewards), ratios)
   return out.errors, out.pg_advantage
 
 
@@ -92,10 +95,7 @@ def main():
       times[impl] = best_time(
           lambda *xs, impl=impl: estimators.coupled_advantages(*xs[:5], bootstrap_value=xs[5], impl=impl),
           *device, repeats=args.repeats)
-    values_next = np.concatenate([values[:, 1:], bootstrap[:, None]], axis=1)
-    ratios = np.exp(target - behaviour)
-    times["rlax"] = best_time(rlax_vtrace, *[jax.device_put(x) for x in (
-        values, values_next, rewards, np.ones_like(rewards), ratios)], repeats=args.repeats)
+    times["rlax"] = best_time(rlax_vtrace, *device[:4], device[5], repeats=args.repeats)
     times["bare"] = best_time(bare_recurrence, device[0], device[1], repeats=args.repeats)
     start = time.perf_counter()
     numpy_reverse_loop(rewards, values, target - behaviour, mask, bootstrap)
