@@ -1,0 +1,151 @@
+"""The Llama/Qwen2 decoder (actor) and the value model, in Flax NNX, with a KV cache.
+
+    logits = Decoder(config, rngs=...)(input_ids_bt)                 # [B, T] → [B, T, V] float32
+    logits, cache = model.decode(ids_bt, positions_bt, cache)       # incremental decoding
+    values = ValueModel(config, rngs=...)(input_ids_bt)              # [B, T] float32
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from copc_jax.models.config import ModelConfig
+from copc_jax.models.layers import Block, Linear, RMSNorm, rope_inverse_frequencies
+
+
+@struct.dataclass
+class KVCache:
+  """Keys/values of every layer for `max_length` slots; slot s is visible once written."""
+
+  keys: jax.Array     # [L, B, S, KV, D]
+  values: jax.Array   # [L, B, S, KV, D]
+  valid: jax.Array    # [B, S] bool: slot holds a real (non-padding) token
+  index: jax.Array    # [] int32: next slot to write (shared by the batch)
+
+  @classmethod
+  def create(cls, config: ModelConfig, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
+    shape = (config.num_layers, batch, max_length, config.num_kv_heads, config.head_dim)
+    return cls(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype),
+               valid=jnp.zeros((batch, max_length), bool), index=jnp.zeros((), jnp.int32))
+
+
+def default_positions(attention_mask_bt):
+  """Position ids that skip padding: cumsum(mask) − 1, clipped at 0 (Hugging Face's convention)."""
+  return jnp.maximum(jnp.cumsum(attention_mask_bt.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def _block_forward(block: Block, x, positions, inv_freq, visible, past_kv=None, slot=None):
+  """One pre-norm block; with `past_kv` the new keys/values are written at `slot` first."""
+  h = block.input_layernorm(x)
+  k, v = block.self_attn.project_kv(h, positions, inv_freq)
+  if past_kv is not None:
+    past_k, past_v = past_kv
+    k = jax.lax.dynamic_update_slice(past_k, k.astype(past_k.dtype), (0, slot, 0, 0))
+    v = jax.lax.dynamic_update_slice(past_v, v.astype(past_v.dtype), (0, slot, 0, 0))
+  x = x + block.self_attn(h, positions, inv_freq, k, v, visible)
+  x = x + block.mlp(block.post_attention_layernorm(x))
+  return x, (k, v)
+
+
+class Backbone(nnx.Module):
+  """Embedding, decoder blocks and final norm: token ids → hidden states."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    self.config = config
+    self.dtype = dtype
+    self.remat = remat
+    self.embed_tokens = nnx.Param(
+        nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype),
+        logical_axes=("vocab", "embed"))
+    self.layers = nnx.List([Block(config, rngs=rngs, dtype=dtype) for _ in range(config.num_layers)])
+    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
+
+  def _run(self, input_ids_bt, positions_bt, visible_bts, cache: KVCache | None):
+    inv_freq = rope_inverse_frequencies(self.config)
+    x = jnp.take(self.embed_tokens[...], input_ids_bt, axis=0).astype(self.dtype)
+    forward = nnx.remat(_block_forward) if self.remat else _block_forward
+    new_keys, new_values = [], []
+    for i, block in enumerate(self.layers):
+      past = None if cache is None else (cache.keys[i], cache.values[i])
+      slot = None if cache is None else cache.index
+      x, (k, v) = forward(block, x, positions_bt, inv_freq, visible_bts, past, slot)
+      new_keys.append(k)
+      new_values.append(v)
+    return self.norm(x), new_keys, new_values
+
+  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None):
+    """Hidden states [B, T, H] of a whole sequence: causal, padding keys hidden."""
+    b, t = input_ids_bt.shape
+    if attention_mask_bt is None:
+      attention_mask_bt = jnp.ones((b, t), bool)
+    attention_mask_bt = attention_mask_bt.astype(bool)
+    if positions_bt is None:
+      positions_bt = default_positions(attention_mask_bt)
+    causal_tt = jnp.tril(jnp.ones((t, t), bool))
+    visible_bts = causal_tt[None] & attention_mask_bt[:, None, :]
+    hidden, _, _ = self._run(input_ids_bt, positions_bt, visible_bts, None)
+    return hidden
+
+  def decode(self, input_ids_bt, positions_bt, cache: KVCache, token_valid_bt=None):
+    """Hidden states of T new tokens written at slots [index, index + T) of the cache."""
+    b, t = input_ids_bt.shape
+    if token_valid_bt is None:
+      token_valid_bt = jnp.ones((b, t), bool)
+    valid_bs = jax.lax.dynamic_update_slice(cache.valid, token_valid_bt.astype(bool), (0, cache.index))
+    slots_s = jnp.arange(cache.valid.shape[1])
+    query_slots_t = cache.index + jnp.arange(t)
+    visible_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_t[None, :, None])
+    hidden, keys, values = self._run(input_ids_bt, positions_bt, visible_bts, cache)
+    new_cache = KVCache(keys=jnp.stack(keys), values=jnp.stack(values), valid=valid_bs,
+                        index=cache.index + t)
+    return hidden, new_cache
+
+
+class Decoder(nnx.Module):
+  """The actor: a causal LM returning float32 logits."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    self.config = config
+    self.model = Backbone(config, rngs=rngs, dtype=dtype, remat=remat)
+    self.lm_head = None if config.tie_word_embeddings else Linear(
+        config.hidden_size, config.vocab_size, axes=("embed", "vocab"), bias=False, rngs=rngs,
+        dtype=dtype)
+
+  def logits(self, hidden_btd):
+    if self.lm_head is None:
+      return jnp.einsum("btd,vd->btv", hidden_btd, self.model.embed_tokens[...].astype(hidden_btd.dtype),
+                        preferred_element_type=jnp.float32)
+    return self.lm_head(hidden_btd).astype(jnp.float32)
+
+  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None):
+    hidden = self.model(input_ids_bt, positions_bt=positions_bt, attention_mask_bt=attention_mask_bt)
+    return self.logits(hidden)
+
+  def decode(self, input_ids_bt, positions_bt, cache: KVCache, token_valid_bt=None):
+    hidden, cache = self.model.decode(input_ids_bt, positions_bt, cache, token_valid_bt)
+    return self.logits(hidden), cache
+
+
+class ValueModel(nnx.Module):
+  """The critic: its own backbone (no submodule shared with the actor) and a scalar head."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    self.config = config
+    self.model = Backbone(config, rngs=rngs, dtype=dtype, remat=remat)
+    self.value_head = Linear(config.hidden_size, 1, axes=("embed", None), bias=True, rngs=rngs,
+                             dtype=dtype)
+
+  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None):
+    """V at every position [B, T], float32."""
+    hidden = self.model(input_ids_bt, positions_bt=positions_bt, attention_mask_bt=attention_mask_bt)
+    return self.value_head(hidden.astype(jnp.float32))[..., 0]
+
+  @classmethod
+  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs, remat: bool = False) -> ValueModel:
+    """A critic whose backbone starts as a copy of the policy's, with a fresh head."""
+    critic = cls(policy.config, rngs=rngs, dtype=policy.model.dtype, remat=remat)
+    copied = jax.tree.map(jnp.array, nnx.state(policy.model, nnx.Param))  # new buffers, not aliases
+    nnx.update(critic.model, copied)
+    return critic

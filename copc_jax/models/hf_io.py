@@ -1,0 +1,126 @@
+"""Hugging Face checkpoints in and out: `config.json` + `*.safetensors` (+ tokenizer files).
+
+    model, tokenizer = from_pretrained("path/to/qwen2-dir")
+    save_pretrained(model, "out/dir", tokenizer=tokenizer)
+
+Nothing is downloaded: paths are local directories (`local_files_only=True`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from copc_jax.models.config import ModelConfig
+from copc_jax.models.decoder import Decoder
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def hf_parameter_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+  """Hugging Face tensor name → (our parameter path, transposed?)."""
+  names = {"model.embed_tokens.weight": ("model/embed_tokens", False),
+           "model.norm.weight": ("model/norm/weight", False)}
+  if not config.tie_word_embeddings:
+    names["lm_head.weight"] = ("lm_head/kernel", True)
+  projections = [("self_attn", p, config.qkv_bias) for p in ("q_proj", "k_proj", "v_proj")]
+  projections += [("self_attn", "o_proj", config.o_bias)]
+  projections += [("mlp", p, config.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
+  for i in range(config.num_layers):
+    hf, ours = f"model.layers.{i}", f"model/layers/{i}"
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      names[f"{hf}.{norm}.weight"] = (f"{ours}/{norm}/weight", False)
+    for group, proj, bias in projections:
+      names[f"{hf}.{group}.{proj}.weight"] = (f"{ours}/{group}/{proj}/kernel", True)
+      if bias:
+        names[f"{hf}.{group}.{proj}.bias"] = (f"{ours}/{group}/{proj}/bias", False)
+  return names
+
+
+def _path_string(path) -> str:
+  parts = []
+  for key in path:
+    parts.append(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))))
+  return "/".join(parts)
+
+
+def read_safetensors(directory: str) -> dict[str, jax.Array]:
+  """All tensors of a checkpoint directory (single file or sharded with an index)."""
+  index_path = os.path.join(directory, SAFETENSORS_INDEX)
+  if os.path.exists(index_path):
+    with open(index_path) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  elif os.path.exists(os.path.join(directory, SAFETENSORS_SINGLE)):
+    files = [SAFETENSORS_SINGLE]
+  else:
+    raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {directory}")
+  tensors = {}
+  for name in files:
+    with safe_open(os.path.join(directory, name), framework="flax") as f:
+      for key in f.keys():
+        tensors[key] = f.get_tensor(key)
+  return tensors
+
+
+def load_weights(model: Decoder, tensors: dict[str, jax.Array]) -> None:
+  """Copy Hugging Face tensors into `model` in place, checking names and shapes."""
+  names = hf_parameter_names(model.config)
+  missing = sorted(set(names) - set(tensors))
+  if missing:
+    raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+  state = nnx.state(model, nnx.Param)
+  flat = {_path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+  for hf_name, (path, transpose) in names.items():
+    value = tensors[hf_name].T if transpose else tensors[hf_name]
+    variable = flat[path]
+    if tuple(value.shape) != tuple(variable.shape):
+      raise ValueError(f"{hf_name}: checkpoint shape {tuple(value.shape)} != model shape "
+                       f"{tuple(variable.shape)} ({path})")
+    variable[...] = jnp.asarray(value, variable.dtype)
+  nnx.update(model, state)
+
+
+def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_tokenizer: bool = True):
+  """A `Decoder` with the checkpoint's weights, and its tokenizer (or None)."""
+  import transformers
+
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"checkpoint directory not found: {path}")
+  hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+  if getattr(hf_config, "use_sliding_window", False):
+    raise ValueError(f"{path}: sliding-window attention is not supported")
+  config = ModelConfig.from_hf(hf_config)
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
+  state = nnx.state(model)
+  # Materialise zero buffers for every variable, then fill them from the checkpoint.
+  nnx.update(model, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state))
+  load_weights(model, read_safetensors(path))
+  tokenizer = None
+  if load_tokenizer:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  return model, tokenizer
+
+
+def save_pretrained(model: Decoder, path: str, *, tokenizer=None, dtype=np.float32) -> None:
+  """Write `config.json` and `model.safetensors` (and the tokenizer) in Hugging Face's format."""
+  os.makedirs(path, exist_ok=True)
+  model.config.to_hf().save_pretrained(path)
+  state = nnx.state(model, nnx.Param)
+  flat = {_path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+  tensors = {}
+  for hf_name, (ours, transpose) in hf_parameter_names(model.config).items():
+    value = np.asarray(jax.device_get(flat[ours][...]), dtype)
+    tensors[hf_name] = np.ascontiguousarray(value.T if transpose else value)
+  save_file(tensors, os.path.join(path, SAFETENSORS_SINGLE), metadata={"format": "pt"})
+  if tokenizer is not None:
+    tokenizer.save_pretrained(path)

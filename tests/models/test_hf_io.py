@@ -1,0 +1,96 @@
+"""Parity with `transformers`' PyTorch models on tiny random checkpoints (CPU torch)."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from copc_jax.models import hf_io, tiny
+
+TOL = 1e-4
+
+
+def hf_config(arch):
+  common = dict(vocab_size=len(tiny.make_tokenizer()), hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+  if arch == "qwen2":
+    return transformers.Qwen2Config(tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
+  return transformers.LlamaConfig(
+      tie_word_embeddings=False, rms_norm_eps=1e-5,
+      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}, **common)
+
+
+def write_torch_checkpoint(path, arch, **save_kw):
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config(arch)).float().eval()
+  with torch.no_grad():  # HF zero-inits biases; make them non-trivial so they are tested
+    for name, param in model.named_parameters():
+      if name.endswith("bias"):
+        param.normal_(0, 0.1)
+  model.save_pretrained(path, **save_kw)
+  tiny.make_tokenizer().save_pretrained(path)
+  return model
+
+
+def torch_logits(model, ids, attention_mask=None):
+  with torch.no_grad():
+    mask = None if attention_mask is None else torch.tensor(attention_mask, dtype=torch.long)
+    return model(torch.tensor(ids), attention_mask=mask).logits.numpy()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_logits_match_pytorch(tmp_path, arch):
+  reference = write_torch_checkpoint(tmp_path, arch)
+  model, tokenizer = hf_io.from_pretrained(str(tmp_path))
+  assert tokenizer.decode(tokenizer("7*6=42")["input_ids"]) == "7*6=42"
+  ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(3, 40))
+  np.testing.assert_allclose(np.asarray(model(ids)), torch_logits(reference, ids), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_logits_match_pytorch_with_left_padding(tmp_path, arch):
+  reference = write_torch_checkpoint(tmp_path, arch)
+  model, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False)
+  ids = np.random.default_rng(1).integers(3, model.config.vocab_size, size=(2, 12))
+  mask = np.ones_like(ids)
+  mask[0, :5] = 0
+  ours = np.asarray(model(ids, attention_mask_bt=mask))
+  theirs = torch_logits(reference, ids, mask)
+  np.testing.assert_allclose(ours[mask == 1], theirs[mask == 1], atol=TOL, rtol=0)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+  reference = write_torch_checkpoint(tmp_path, "qwen2", max_shard_size="100KB")
+  assert (tmp_path / hf_io.SAFETENSORS_INDEX).exists()
+  model, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False)
+  ids = np.arange(20)[None] % model.config.vocab_size
+  np.testing.assert_allclose(np.asarray(model(ids)), torch_logits(reference, ids), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_export_is_read_back_by_transformers(tmp_path, arch):
+  tiny.make_tiny_checkpoint(str(tmp_path / "ours"), arch)
+  model, _ = hf_io.from_pretrained(str(tmp_path / "ours"))
+  hf_io.save_pretrained(model, str(tmp_path / "exported"))
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).float()
+  ids = np.random.default_rng(2).integers(0, model.config.vocab_size, size=(2, 16))
+  np.testing.assert_allclose(np.asarray(model(ids)), torch_logits(reference.eval(), ids), atol=TOL,
+                             rtol=0)
+
+
+def test_missing_directory_and_mismatched_tensors_are_reported(tmp_path):
+  with pytest.raises(FileNotFoundError, match="checkpoint directory not found"):
+    hf_io.from_pretrained(str(tmp_path / "nope"))
+  write_torch_checkpoint(tmp_path, "qwen2")
+  model, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False)
+  tensors = hf_io.read_safetensors(str(tmp_path))
+  tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
+  with pytest.raises(ValueError, match=r"model.norm.weight: checkpoint shape \(63,\)"):
+    hf_io.load_weights(model, tensors)
+  del tensors["model.layers.0.mlp.up_proj.weight"]
+  with pytest.raises(ValueError, match="lacks 1 tensor"):
+    hf_io.load_weights(model, tensors)
