@@ -1,0 +1,43 @@
+"""The learner's input: a padded batch of trajectories, token-aligned."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class TrajectoryBatch:
+  """Position t holds token y_t; per-token fields describe y_t (the first position is never a policy token).
+
+  tokens:            int32 [B, T]  prompt + response (+ tool output) + padding
+  attention_mask:    bool  [B, T]  real tokens (False on padding)
+  mask:              bool  [B, T]  policy-generated tokens
+  behavior_logprobs: float [B, T]  log μ(y_t) from the sampler
+  versions:          int32 [B, T]  weights version that sampled y_t
+  rewards:           float [B, T]  reward received after y_t
+  """
+
+  tokens: jax.Array
+  attention_mask: jax.Array
+  mask: jax.Array
+  behavior_logprobs: jax.Array
+  versions: jax.Array
+  rewards: jax.Array
+
+  def validate(self) -> None:
+    shape = self.tokens.shape
+    if len(shape) != 2:
+      raise ValueError(f"tokens must be [B, T]; got shape {shape}")
+    for name in ("attention_mask", "mask", "behavior_logprobs", "versions", "rewards"):
+      if getattr(self, name).shape != shape:
+        raise ValueError(f"{name} must have the shape of tokens {shape}; got {getattr(self, name).shape}")
+    if bool(jnp.any(self.mask[:, 0])):
+      raise ValueError("mask[:, 0] must be False: the first token has no preceding state")
+    if bool(jnp.any(self.mask & ~self.attention_mask)):
+      raise ValueError("mask marks padding positions (attention_mask False) as policy tokens")
+
+  def staleness(self, learner_version: int) -> jax.Array:
+    """learner version − version of each policy token (0 elsewhere)."""
+    return jnp.where(self.mask, learner_version - self.versions, 0)

@@ -1,0 +1,71 @@
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from copc_jax import presets, sharding
+from copc_jax.models import tiny
+from copc_jax.models.decoder import Decoder, ValueModel
+from copc_jax.train import Learner, LearnerConfig, OptimizerConfig
+from copc_jax.train.fake_data import random_batch
+
+
+def make_learner(preset="copc", lr=1e-3, mesh=None, **kw):
+  config = tiny.tiny_config("qwen2")
+  actor = Decoder(config, rngs=nnx.Rngs(0))
+  critic = ValueModel.from_policy(actor, rngs=nnx.Rngs(1))
+  p = presets.get_preset(preset)
+  learner_config = LearnerConfig(
+      estimator=p.estimator, actor=p.actor, actor_optimizer=OptimizerConfig(learning_rate=lr),
+      critic_optimizer=OptimizerConfig(learning_rate=lr), **kw)
+  batch = random_batch(actor, batch_size=8, prompt_length=6, response_length=14, seed=3)
+  return Learner(actor, critic, learner_config, mesh=mesh), batch
+
+
+def test_losses_decrease_on_a_fixed_batch():
+  learner, batch = make_learner(num_minibatches=2)
+  batch.validate()
+  first = learner.train_step(batch)
+  for _ in range(6):
+    last = learner.train_step(batch)
+  assert float(last["value_loss"]) < 0.5 * float(first["value_loss"])
+  assert float(last["actor_loss"]) < float(first["actor_loss"])
+
+
+@pytest.mark.parametrize("preset", sorted(presets.PRESETS))
+def test_every_preset_runs(preset):
+  learner, batch = make_learner(preset)
+  metrics = learner.train_step(batch)
+  for key in ("actor_loss", "value_loss", "clip_fraction", "masked_fraction", "ess",
+              "actor_grad_norm", "critic_grad_norm", "actor_update_norm", "actor_param_norm"):
+    assert np.isfinite(float(metrics[key])), key
+  assert float(metrics["actor_update_norm"]) > 0
+
+
+def test_non_finite_behaviour_logprobs_do_not_poison_the_parameters():
+  learner, batch = make_learner("tis")
+  behaviour = np.array(batch.behavior_logprobs)
+  rows, cols = np.nonzero(batch.mask)
+  behaviour[rows[0], cols[0]] = np.nan
+  behaviour[rows[-1], cols[-1]] = -np.inf
+  metrics = learner.train_step(dataclasses.replace(batch, behavior_logprobs=behaviour))
+  assert int(metrics["nonfinite_count"]) >= 1
+  for leaf in jax.tree.leaves(learner.state):
+    assert np.isfinite(np.asarray(leaf)).all()
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_sharded_train_step_equals_single_device():
+  single, batch = make_learner(lr=1e-6)
+  mesh = sharding.make_mesh(sharding.ShardingConfig(mesh_shape=(2, 2, 2)))
+  sharded, _ = make_learner(lr=1e-6, mesh=mesh)
+  m_single, m_sharded = single.train_step(batch), sharded.train_step(batch)
+  for key in ("actor_loss", "value_loss", "actor_grad_norm"):
+    np.testing.assert_allclose(float(m_sharded[key]), float(m_single[key]), rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(single.actor, nnx.Param)),
+                  jax.tree.leaves(nnx.state(sharded.actor, nnx.Param))):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+  q_proj = sharded.actor.model.layers[0].self_attn.q_proj.kernel[...]
+  assert q_proj.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
