@@ -9,7 +9,7 @@ Fields left as None take the preset's value (see copc_jax/presets.py).
 
 from ml_collections import config_dict
 
-from copc_jax import presets
+from copc_jax import presets, sharding
 
 placeholder = config_dict.placeholder
 
@@ -31,6 +31,11 @@ def get_config(arg=None):
       aggregation=placeholder(str), kl_coef=placeholder(float), kl_estimator=placeholder(str),
       entropy_coef=placeholder(float)))
   config.value = config_dict.ConfigDict(dict(clip=0.5, aggregation="token_mean"))
+
+  # Mesh over (data, fsdp, tensor); -1 takes the remaining devices. Rules map logical axes
+  # of the parameters to mesh axes (see copc_jax/sharding.py).
+  config.sharding = config_dict.ConfigDict(dict(
+      mesh_shape=(1, -1, 1), rules=sharding.DEFAULT_RULES))
 
   config.gradient_check = config_dict.ConfigDict(dict(
       num_trajectories=4096, num_steps=32, tool_every=4,

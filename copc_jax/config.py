@@ -15,6 +15,7 @@ from typing import Any
 from copc_jax import presets
 from copc_jax.losses import ActorLossConfig, ValueLossConfig
 from copc_jax.presets import EstimatorConfig
+from copc_jax.sharding import ShardingConfig
 
 JOBS = ("gradient_check",)
 
@@ -53,6 +54,7 @@ class ExperimentConfig:
   actor: ActorLossConfig
   value: ValueLossConfig
   gradient_check: GradientCheckConfig
+  sharding: ShardingConfig
 
 
 def _as_plain(value):
@@ -61,10 +63,14 @@ def _as_plain(value):
   return value
 
 
+def _as_tuple(value):
+  """Lists (and nested lists) from ConfigDict.to_dict() or the command line → tuples."""
+  return tuple(_as_tuple(v) for v in value) if isinstance(value, list | tuple) else value
+
+
 def _coerce(path: str, value, default):
   """`value` with the type of the field's default (int → float, list → tuple), or an error."""
-  if isinstance(value, list):
-    value = tuple(value)
+  value = _as_tuple(value)
   if default is None or isinstance(value, type(default)) and not (
       isinstance(value, bool) and not isinstance(default, bool)):
     return value
@@ -92,7 +98,7 @@ def _build(cls, section: str, values: dict[str, Any], base=None):
 def from_config_dict(config) -> ExperimentConfig:
   """Validate a ConfigDict (or plain dict) and return the typed configuration."""
   config = _as_plain(config)
-  allowed = {"job", "preset", "seed", "estimator", "actor", "value", "gradient_check"}
+  allowed = {"job", "preset", "seed", "estimator", "actor", "value", "gradient_check", "sharding"}
   unknown = sorted(set(config) - allowed)
   if unknown:
     raise ValueError(f"config: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
@@ -114,4 +120,5 @@ def from_config_dict(config) -> ExperimentConfig:
       actor=_build(ActorLossConfig, "actor", config.get("actor"), preset.actor),
       value=_build(ValueLossConfig, "value", config.get("value")),
       gradient_check=_build(GradientCheckConfig, "gradient_check", config.get("gradient_check")),
+      sharding=_build(ShardingConfig, "sharding", config.get("sharding")),
   )

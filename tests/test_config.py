@@ -78,3 +78,15 @@ def test_main_rejects_a_bad_override_naming_the_field(tmp_path):
                     "--config.estimator.gamma=-1.0")
   assert result.returncode != 0
   assert "config.estimator.gamma must be >= 0; got -1.0" in result.stderr
+
+
+def test_sharding_rules_come_from_the_config():
+  raw = default.get_config()
+  raw.sharding.mesh_shape = (2, -1, 2)
+  raw.sharding.rules = (("embed", None), ("mlp", "tensor"), ("batch", ("data", "fsdp")))
+  config = config_lib.from_config_dict(raw)
+  assert config.sharding.mesh_shape == (2, -1, 2)
+  assert dict(config.sharding.rules)["batch"] == ("data", "fsdp")
+  raw.sharding.rules = (("embed", "model"),)
+  with pytest.raises(ValueError, match="config.sharding.rules: logical axis 'embed' maps to unknown"):
+    config_lib.from_config_dict(raw)

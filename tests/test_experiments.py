@@ -31,3 +31,11 @@ def test_benchmark_script_runs():
        "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "scan/rlax" in result.stdout
+
+
+def test_learner_benchmark_runs_on_the_tiny_config():
+  result = subprocess.run(
+      [sys.executable, "experiments/bench_learner.py", "--configs", "tiny", "--steps", "1"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "estimator" in result.stdout and " tiny |" in result.stdout

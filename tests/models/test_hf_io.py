@@ -1,10 +1,14 @@
 """Parity with `transformers`' PyTorch models on tiny random checkpoints (CPU torch)."""
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from copc_jax import sharding
 from copc_jax.models import hf_io, tiny
 
 TOL = 1e-4
@@ -94,3 +98,16 @@ def test_missing_directory_and_mismatched_tensors_are_reported(tmp_path):
   del tensors["model.layers.0.mlp.up_proj.weight"]
   with pytest.raises(ValueError, match="lacks 1 tensor"):
     hf_io.load_weights(model, tensors)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_logits_match_pytorch_on_8_devices(tmp_path):
+  reference = write_torch_checkpoint(tmp_path, "qwen2")
+  model, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False)
+  mesh = sharding.make_mesh(sharding.ShardingConfig(mesh_shape=(2, 2, 2)))
+  sharding.shard_model(model, mesh, sharding.DEFAULT_RULES)
+  assert model.model.layers[0].mlp.gate_proj.kernel[...].sharding.spec == P("fsdp", "tensor")
+  ids = np.random.default_rng(3).integers(0, model.config.vocab_size, size=(8, 24))
+  logits = nnx.jit(lambda m, x: m(x))(
+      model, jax.device_put(ids, sharding.batch_sharding(mesh, sharding.DEFAULT_RULES)))
+  np.testing.assert_allclose(np.asarray(logits), torch_logits(reference, ids), atol=TOL, rtol=0)
