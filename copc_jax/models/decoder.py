@@ -36,14 +36,26 @@ def default_positions(attention_mask_bt):
   return jnp.maximum(jnp.cumsum(attention_mask_bt.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def _block_forward(block: Block, x, positions, inv_freq, visible, past_kv=None, slot=None):
-  """One pre-norm block; with `past_kv` the new keys/values are written at `slot` first."""
+def _write_at_index(past, new, index):
+  """Cache [B, S, KV, D] with new [B, T, KV, D] at slots [index, index + T) of every row."""
+  return jax.lax.dynamic_update_slice(past, new.astype(past.dtype), (0, index, 0, 0))
+
+
+def _write_at_rows(past, new, slots_b):
+  """Cache [B, S, KV, D] with new [B, 1, KV, D] at slot slots_b[b] of row b."""
+  return past.at[jnp.arange(past.shape[0]), slots_b].set(new[:, 0].astype(past.dtype))
+
+
+def _block_forward(block: Block, x, positions, inv_freq, visible, past_kv=None, where=None):
+  """One pre-norm block; with `past_kv` the new keys/values are first written into it.
+
+  `where` is an int (one slot index for the whole batch) or an int array [B] (one slot per row).
+  """
   h = block.input_layernorm(x)
   k, v = block.self_attn.project_kv(h, positions, inv_freq)
   if past_kv is not None:
-    past_k, past_v = past_kv
-    k = jax.lax.dynamic_update_slice(past_k, k.astype(past_k.dtype), (0, slot, 0, 0))
-    v = jax.lax.dynamic_update_slice(past_v, v.astype(past_v.dtype), (0, slot, 0, 0))
+    write = _write_at_index if jnp.ndim(where) == 0 else _write_at_rows
+    k, v = write(past_kv[0], k, where), write(past_kv[1], v, where)
   x = x + block.self_attn(h, positions, inv_freq, k, v, visible)
   x = x + block.mlp(block.post_attention_layernorm(x))
   return x, (k, v)
@@ -62,15 +74,14 @@ class Backbone(nnx.Module):
     self.layers = nnx.List([Block(config, rngs=rngs, dtype=dtype) for _ in range(config.num_layers)])
     self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
 
-  def _run(self, input_ids_bt, positions_bt, visible_bts, cache: KVCache | None):
+  def _run(self, input_ids_bt, positions_bt, visible_bts, cache: KVCache | None, where=None):
     inv_freq = rope_inverse_frequencies(self.config)
     x = jnp.take(self.embed_tokens[...], input_ids_bt, axis=0).astype(self.dtype)
     forward = nnx.remat(_block_forward) if self.remat else _block_forward
     new_keys, new_values = [], []
     for i, block in enumerate(self.layers):
       past = None if cache is None else (cache.keys[i], cache.values[i])
-      slot = None if cache is None else cache.index
-      x, (k, v) = forward(block, x, positions_bt, inv_freq, visible_bts, past, slot)
+      x, (k, v) = forward(block, x, positions_bt, inv_freq, visible_bts, past, where)
       new_keys.append(k)
       new_values.append(v)
     return self.norm(x), new_keys, new_values
@@ -97,9 +108,22 @@ class Backbone(nnx.Module):
     slots_s = jnp.arange(cache.valid.shape[1])
     query_slots_t = cache.index + jnp.arange(t)
     visible_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_t[None, :, None])
-    hidden, keys, values = self._run(input_ids_bt, positions_bt, visible_bts, cache)
+    hidden, keys, values = self._run(input_ids_bt, positions_bt, visible_bts, cache, cache.index)
     new_cache = KVCache(keys=jnp.stack(keys), values=jnp.stack(values), valid=valid_bs,
                         index=cache.index + t)
+    return hidden, new_cache
+
+  def decode_rows(self, input_ids_b, slots_b, cache: KVCache):
+    """Hidden states [B, 1, H] of one new token per row, written at the row's own slot.
+
+    For continuous batching: each row (a server slot) is at its own length. The
+    slot of a token is its position; keys at slots ≤ slots_b[b] that are valid are visible.
+    """
+    valid_bs = cache.valid.at[jnp.arange(cache.valid.shape[0]), slots_b].set(True)
+    slots_s = jnp.arange(cache.valid.shape[1])
+    visible_bts = (valid_bs & (slots_s[None] <= slots_b[:, None]))[:, None, :]
+    hidden, keys, values = self._run(input_ids_b[:, None], slots_b[:, None], visible_bts, cache, slots_b)
+    new_cache = KVCache(keys=jnp.stack(keys), values=jnp.stack(values), valid=valid_bs, index=cache.index)
     return hidden, new_cache
 
 
@@ -126,6 +150,11 @@ class Decoder(nnx.Module):
   def decode(self, input_ids_bt, positions_bt, cache: KVCache, token_valid_bt=None):
     hidden, cache = self.model.decode(input_ids_bt, positions_bt, cache, token_valid_bt)
     return self.logits(hidden), cache
+
+  def decode_rows(self, input_ids_b, slots_b, cache: KVCache):
+    """Logits [B, V] of one new token per row at its own slot (see `Backbone.decode_rows`)."""
+    hidden, cache = self.model.decode_rows(input_ids_b, slots_b, cache)
+    return self.logits(hidden)[:, 0], cache
 
 
 class ValueModel(nnx.Module):

@@ -63,3 +63,22 @@ def test_value_model_starts_from_the_policy_and_shares_nothing(model):
   before = np.asarray(model(ids))
   critic.model.embed_tokens[...] = critic.model.embed_tokens[...] + 1.0   # training the critic ...
   np.testing.assert_array_equal(np.asarray(model(ids)), before)            # ... leaves the actor alone
+
+
+def test_per_row_decoding_at_different_lengths_matches_the_full_pass(model):
+  rng = np.random.default_rng(4)
+  seqs = [rng.integers(3, 60, size=n) for n in (5, 9)]
+  cache = KVCache.create(model.config, batch=2, max_length=12)
+  # Prefill each row separately into its slots 0..n−1.
+  keys, values, valid = [], [], []
+  for seq in seqs:
+    one = KVCache.create(model.config, batch=1, max_length=12)
+    _, one = model.decode(seq[None], np.arange(len(seq))[None], one)
+    keys.append(one.keys), values.append(one.values), valid.append(one.valid)
+  cache = KVCache(keys=jnp.concatenate(keys, 1), values=jnp.concatenate(values, 1),
+                  valid=jnp.concatenate(valid, 0), index=cache.index)
+  next_tokens = np.array([7, 8])
+  logits, cache = model.decode_rows(next_tokens, np.array([5, 9]), cache)
+  for row, seq in enumerate(seqs):
+    full = np.asarray(model(np.append(seq, next_tokens[row])[None]))[0, -1]
+    np.testing.assert_allclose(np.asarray(logits[row]), full, atol=1e-5)

@@ -1,0 +1,1 @@
+"""Rollout: a JetStream engine and server for the copc_jax decoder, and their clients."""

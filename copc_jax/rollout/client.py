@@ -1,0 +1,63 @@
+"""Synchronous client of one copc_jax rollout server (the `copc.Rollout` gRPC service)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import grpc
+
+from copc_jax.rollout.server import MAX_MESSAGE_BYTES, SERVICE
+
+CHUNK_BYTES = 4 << 20
+
+
+@dataclasses.dataclass
+class Generation:
+  token_ids: list[int]
+  logprobs: list[float]
+  versions: list[int]
+  finish_reason: str | None
+
+
+class RolloutClient:
+  def __init__(self, address: str, timeout_s: float = 300.0):
+    self.address = address
+    self.timeout_s = timeout_s
+    self._channel = grpc.insecure_channel(address, options=[
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    encode, decode = (lambda m: json.dumps(m).encode()), (lambda b: json.loads(b.decode()))
+    self._generate = self._channel.unary_stream(f"/{SERVICE}/Generate", encode, decode)
+    self._update = self._channel.unary_unary(f"/{SERVICE}/UpdateWeights", encode, decode)
+    self._update_bytes = self._channel.stream_unary(f"/{SERVICE}/UpdateWeightsBytes", lambda b: b, decode)
+    self._status = self._channel.unary_unary(f"/{SERVICE}/Status", encode, decode)
+
+  def stream(self, token_ids, max_tokens: int, *, temperature=1.0, top_p=1.0, top_k=0):
+    """Yield the server's per-step messages {token_ids, logprobs, versions, finish_reason}."""
+    request = {"token_ids": [int(t) for t in token_ids], "max_tokens": max_tokens,
+               "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    yield from self._generate(request, timeout=self.timeout_s)
+
+  def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:
+    result = Generation([], [], [], None)
+    for step in self.stream(token_ids, max_tokens, **sampling):
+      result.token_ids += step["token_ids"]
+      result.logprobs += step["logprobs"]
+      result.versions += step["versions"]
+      result.finish_reason = step["finish_reason"] or result.finish_reason
+    return result
+
+  def update_weights(self, path: str, version: int) -> int:
+    return self._update({"path": path, "version": version}, timeout=self.timeout_s)["version"]
+
+  def update_weights_bytes(self, payload: bytes, version: int) -> int:
+    chunks = (payload[i:i + CHUNK_BYTES] for i in range(0, max(len(payload), 1), CHUNK_BYTES))
+    return self._update_bytes(chunks, metadata=[("copc-version", str(version))],
+                              timeout=self.timeout_s)["version"]
+
+  def status(self, timeout_s: float | None = None) -> dict:
+    return self._status({}, timeout=timeout_s or self.timeout_s)
+
+  def close(self):
+    self._channel.close()

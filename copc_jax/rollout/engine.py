@@ -1,0 +1,286 @@
+"""A JetStream 0.2.2 `Engine` for the copc_jax decoder, with versioned weights.
+
+Continuous batching over `max_concurrent_decodes` slots. Each slot keeps its
+own KV cache row (slot index == token position), its next-token logits, the
+weights version that computed them, and the request's sampling options. One
+`generate` step samples a token per slot from the stored logits (see
+`sampling.py` for the distribution and its log-probability), then runs the model
+on it to get the next logits. The result packs, per slot, the columns
+token | valid | length | log-probability (float32 bits) | version into the one
+int32 array JetStream copies to the host.
+
+Weights live in a `ParamStore`: `prefill`/`generate` read (weights, version)
+from it at every call and pass the weights to jitted functions as arguments, so
+swapping weights of the same shapes and shardings neither restarts nor recompiles.
+A swap during a generation takes effect at the next step: tokens record the
+version whose logits they were sampled from, and the KV cache keeps what earlier
+versions wrote (in-flight update).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from copc_jax.models.decoder import Decoder, KVCache
+from copc_jax.rollout import jetstream_compat, sampling
+
+engine_api, _, token_utils, _, _ = jetstream_compat.install()
+from jetstream.engine import tokenizer_api, tokenizer_pb2  # noqa: E402
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+  def __post_init__(self):
+    if not self.temperature > 0:
+      raise ValueError(f"temperature must be > 0; got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = no top-k); got {self.top_k}")
+
+
+class ParamStore:
+  """The served weights and their version; swapped atomically, read at every engine call."""
+
+  def __init__(self, params, version: int = 0):
+    self._lock = threading.Lock()
+    self._params, self._version = params, version
+
+  def get(self):
+    with self._lock:
+      return self._params, self._version
+
+  @property
+  def version(self) -> int:
+    return self.get()[1]
+
+  def update(self, params, version: int) -> None:
+    """Replace the weights; they must have the current structure, shapes and dtypes."""
+    current, current_version = self.get()
+    if version <= current_version:
+      raise ValueError(f"version must increase: got {version}, serving {current_version}")
+    old_leaves, treedef = jax.tree.flatten(current)
+    new_leaves = jax.tree.leaves(params)
+    if len(new_leaves) != len(old_leaves):
+      raise ValueError(f"weights have {len(new_leaves)} arrays; the model has {len(old_leaves)}")
+    placed = []
+    for i, (old, new) in enumerate(zip(old_leaves, new_leaves, strict=True)):
+      if tuple(np.shape(new)) != tuple(old.shape):
+        raise ValueError(f"weight #{i}: shape {tuple(np.shape(new))} != served shape {tuple(old.shape)}")
+      placed.append(jax.device_put(jnp.asarray(new, old.dtype), old.sharding))
+    placed = jax.block_until_ready(jax.tree.unflatten(treedef, placed))
+    with self._lock:
+      self._params, self._version = placed, version
+
+
+@struct.dataclass
+class Prefix:
+  keys: jax.Array          # [L, 1, P, KV, D]
+  values: jax.Array
+  true_length: jax.Array   # []
+  last_logits: jax.Array   # [V]
+  version: jax.Array       # []
+  temperature: jax.Array
+  top_p: jax.Array
+  top_k: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+  cache: KVCache              # batch = slots
+  lengths: jax.Array          # [S] tokens in the row (= slot of the next token)
+  generated: jax.Array        # [S]
+  logits: jax.Array           # [S, V] next-token logits
+  logits_version: jax.Array   # [S]
+  temperature: jax.Array      # [S]
+  top_p: jax.Array            # [S]
+  top_k: jax.Array            # [S]
+  rng: jax.Array
+
+
+class IdTokenizer(tokenizer_api.Tokenizer):
+  """JetStream tokenizer over a Hugging Face tokenizer; the stop token is EOS only."""
+
+  def __init__(self, hf_tokenizer, eos_id: int, pad_id: int, bos_id: int):
+    self._hf, self._eos, self._pad, self._bos = hf_tokenizer, eos_id, pad_id, bos_id
+
+  def encode(self, s, **kwargs):
+    ids = np.asarray(self._hf(s)["input_ids"] if self._hf is not None else [], np.int32)
+    return token_utils.pad_tokens(ids, self._bos, self._pad, is_bos=kwargs.get("is_bos", True),
+                                  max_prefill_length=kwargs.get("max_prefill_length"),
+                                  jax_padding=kwargs.get("jax_padding", True))
+
+  def decode(self, token_ids, **kwargs):
+    return self._hf.decode(list(token_ids)) if self._hf is not None else ""
+
+  @property
+  def pad_id(self):
+    return self._pad
+
+  @property
+  def eos_id(self):
+    return self._eos
+
+  @property
+  def bos_id(self):
+    return self._bos
+
+  @property
+  def stop_tokens(self):
+    return {self._eos}
+
+
+class CopcEngine(engine_api.Engine):
+  def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 4, max_prefill_length: int = 64,
+               max_length: int = 256, tokenizer=None, seed: int = 0, version: int = 0):
+    if max_prefill_length not in PREFILL_BUCKETS:
+      raise ValueError(f"max_prefill_length must be one of {PREFILL_BUCKETS}; got {max_prefill_length}")
+    if max_length <= max_prefill_length:
+      raise ValueError(f"max_length ({max_length}) must exceed max_prefill_length ({max_prefill_length})")
+    self.config = model.config
+    self._graphdef, params = nnx.split(model)
+    device = jax.devices()[0]
+    self.store = ParamStore(jax.device_put(params, device), version)
+    self._slots, self._prefill_len, self._max_length = max_concurrent_decodes, max_prefill_length, max_length
+    self._tokenizer = tokenizer
+    self._seed = seed
+    self._mesh = jax.make_mesh((1,), ("x",), devices=[device])
+    self.pending_sampling = threading.local()   # set by the driver's prefill thread per request
+    self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
+    self._prefill_jit = jax.jit(self._prefill_impl)
+    self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
+    self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
+
+  def model_like(self) -> Decoder:
+    """A model with the served structure (weights to be overwritten), for loading updates."""
+    return nnx.merge(self._graphdef, jax.tree.map(jnp.zeros_like, self.store.get()[0]))
+
+  def params_of(self, model: Decoder):
+    return nnx.split(model)[1]
+
+  # --- jitted bodies -------------------------------------------------------
+
+  def _prefill_impl(self, params, padded_tokens_p, true_length):
+    self.trace_counts["prefill"] += 1
+    model = nnx.merge(self._graphdef, params)
+    p = padded_tokens_p.shape[0]
+    cache = KVCache.create(self.config, batch=1, max_length=p)
+    valid = (jnp.arange(p) < true_length)[None]
+    logits, cache = model.decode(padded_tokens_p[None], jnp.arange(p)[None], cache, valid)
+    return cache.keys, cache.values, logits[0, true_length - 1]
+
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
+    self.trace_counts["insert"] += 1
+    cache = state.cache
+    keys = jax.lax.dynamic_update_slice(cache.keys, prefix.keys.astype(cache.keys.dtype), (0, slot, 0, 0, 0))
+    values = jax.lax.dynamic_update_slice(cache.values, prefix.values.astype(cache.values.dtype),
+                                          (0, slot, 0, 0, 0))
+    row_valid = jnp.arange(cache.valid.shape[1]) < prefix.true_length
+    return state.replace(
+        cache=cache.replace(keys=keys, values=values, valid=cache.valid.at[slot].set(row_valid)),
+        lengths=state.lengths.at[slot].set(prefix.true_length),
+        generated=state.generated.at[slot].set(0),
+        logits=state.logits.at[slot].set(prefix.last_logits),
+        logits_version=state.logits_version.at[slot].set(prefix.version),
+        temperature=state.temperature.at[slot].set(prefix.temperature),
+        top_p=state.top_p.at[slot].set(prefix.top_p),
+        top_k=state.top_k.at[slot].set(prefix.top_k))
+
+  def _generate_impl(self, params, state: DecodeState, version):
+    self.trace_counts["generate"] += 1
+    model = nnx.merge(self._graphdef, params)
+    rng, step_rng = jax.random.split(state.rng)
+    tokens, logprobs = sampling.sample(step_rng, state.logits, state.temperature, state.top_p, state.top_k)
+    # Free slots keep stepping on garbage; keep their writes inside the cache.
+    slots = jnp.minimum(state.lengths, self._max_length - 1)
+    logits, cache = model.decode_rows(tokens, slots, state.cache)
+    generated = state.generated + 1
+    data = jnp.stack([tokens.astype(jnp.int32), jnp.ones_like(generated), generated,
+                      jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32),
+                      state.logits_version], axis=1)
+    new_state = state.replace(cache=cache, lengths=state.lengths + 1, generated=generated,
+                              logits=logits, logits_version=jnp.full_like(state.logits_version, version),
+                              rng=rng)
+    return new_state, data
+
+  # --- Engine API ------------------------------------------------------------
+
+  def load_params(self, *args, **kwargs):
+    return self.store
+
+  def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length):
+    if existing_prefix is not None:
+      raise NotImplementedError("prefix continuation is not supported")
+    weights, version = params.get()
+    keys, values, last_logits = self._prefill_jit(weights, jnp.asarray(padded_tokens, jnp.int32),
+                                                  jnp.int32(true_length))
+    options = getattr(self.pending_sampling, "options", None) or SamplingOptions()
+    return Prefix(keys=keys, values=values, true_length=jnp.int32(true_length), last_logits=last_logits,
+                  version=jnp.int32(version), temperature=jnp.float32(options.temperature),
+                  top_p=jnp.float32(options.top_p), top_k=jnp.int32(options.top_k))
+
+  def insert(self, prefix, decode_state, slot):
+    return self._insert_jit(prefix, decode_state, jnp.int32(slot))
+
+  def generate(self, params, decode_state):
+    weights, version = params.get()
+    state, data = self._generate_jit(weights, decode_state, jnp.int32(version))
+    return state, engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
+                                          length_idx=(2, 3), samples_per_slot=1)
+
+  def init_decode_state(self, *args, **kwargs):
+    s, v = self._slots, self.config.vocab_size
+    return DecodeState(
+        cache=KVCache.create(self.config, batch=s, max_length=self._max_length),
+        lengths=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
+        logits=jnp.zeros((s, v), jnp.float32), logits_version=jnp.zeros((s,), jnp.int32),
+        temperature=jnp.ones((s,), jnp.float32), top_p=jnp.ones((s,), jnp.float32),
+        top_k=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed))
+
+  def get_prefix_destination_sharding(self):
+    return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+
+  def get_tokenizer(self):
+    return tokenizer_pb2.TokenizerParameters(path="copc_jax", extra_ids=0)
+
+  def build_tokenizer(self, metadata):
+    eos = self.config.eos_token_id if self.config.eos_token_id is not None else 0
+    bos = self.config.bos_token_id if self.config.bos_token_id is not None else eos
+    pad = getattr(self._tokenizer, "pad_token_id", None)
+    return IdTokenizer(self._tokenizer, eos_id=eos, pad_id=pad if pad is not None else eos, bos_id=bos)
+
+  @property
+  def max_concurrent_decodes(self):
+    return self._slots
+
+  @property
+  def samples_per_slot(self):
+    return 1
+
+  @property
+  def max_prefill_length(self):
+    return self._prefill_len
+
+  @property
+  def max_length(self):
+    return self._max_length
+
+  @property
+  def mesh(self):
+    return self._mesh
+
+  @property
+  def colocated_cpus(self):
+    return None

@@ -1,0 +1,125 @@
+"""Everything copc_jax needs to run google-jetstream 0.2.2 on current JAX, in one place.
+
+`install()` (idempotent) must run before any other `jetstream` import:
+
+1. `jax.tree_map` was removed from JAX; 0.2.2's orchestrator calls it on every
+   insert (and a failing JetStream thread SIGKILLs the process): alias it.
+2. `jetstream.engine.token_utils` imports `seqio` (and through it TensorFlow)
+   for vocabulary classes we never use: register a stub `seqio.vocabularies`
+   whose SentencePiece class refuses to be built.
+3. 0.2.2's orchestrator sets the root logger to DEBUG with a stdout handler at
+   import: undo it.
+4. `token_utils.process_result_tokens` drops every column of `ResultTokens.data`
+   beyond the token/valid/length ranges, and drops the stop token: replace it
+   with `process_result_tokens` below, which also returns each token's
+   log-probability and weights version, the stop token, and a finish reason.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import sys
+import types
+
+import jax
+import numpy as np
+
+# Extra int32 columns that copc_jax's engine packs after token | valid | length.
+LOGPROB_COLUMN = 3   # float32 log-probability, bit-cast to int32
+VERSION_COLUMN = 4   # weights version that produced the token
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+_installed = False
+
+
+def _install_seqio_stub() -> None:
+  if "seqio" in sys.modules:
+    return
+
+  class Vocabulary(abc.ABC):  # noqa: B024 - only subclassed by JetStream's test vocabulary
+    """Stand-in base class; JetStream's TestVocab subclasses it."""
+
+  class SentencePieceVocabulary(Vocabulary):
+    def __init__(self, *args, **kwargs):
+      raise ImportError("SentencePiece vocabularies need seqio/TensorFlow, which copc_jax does not "
+                        "install; copc_jax engines build their own tokenizer")
+
+  seqio = types.ModuleType("seqio")
+  vocabularies = types.ModuleType("seqio.vocabularies")
+  vocabularies.Vocabulary = Vocabulary
+  vocabularies.SentencePieceVocabulary = SentencePieceVocabulary
+  seqio.vocabularies = vocabularies
+  sys.modules["seqio"] = seqio
+  sys.modules["seqio.vocabularies"] = vocabularies
+
+
+@dataclasses.dataclass
+class RLReturnSample:
+  """What one generate step returns for one sample: JetStream's `ReturnSample` fields and ours."""
+
+  text: list[str]
+  token_ids: list[int]
+  logprobs: list[float]
+  versions: list[int]
+  finish_reason: str | None = None
+
+
+def process_result_tokens(tokenizer, slot: int, slot_max_length: int, result_tokens,
+                          complete: np.ndarray, is_client_side_tokenization: bool = False,
+                          debug: bool = False):
+  """Drop-in for 0.2.2's `token_utils.process_result_tokens` that keeps our columns.
+
+  Unlike the stock function, a stop token is returned (with its log-probability)
+  before the sample completes with finish reason "stop"; reaching `slot_max_length`
+  tokens completes it with "length".
+  """
+  del debug
+  rows = result_tokens.data[slot * result_tokens.samples_per_slot:
+                            (slot + 1) * result_tokens.samples_per_slot]
+  tokens = rows[:, result_tokens.tokens_idx[0]]
+  valid = rows[:, result_tokens.valid_idx[0]]
+  lengths = rows[:, result_tokens.length_idx[0]]
+  logprobs = rows[:, LOGPROB_COLUMN].astype(np.int32).view(np.float32)
+  versions = rows[:, VERSION_COLUMN]
+  samples = []
+  complete = complete.copy()
+  for i in range(len(rows)):
+    sample = RLReturnSample(text=[], token_ids=[], logprobs=[], versions=[])
+    if not complete[i] and valid[i]:
+      token = int(tokens[i])
+      sample.token_ids.append(token)
+      sample.logprobs.append(float(logprobs[i]))
+      sample.versions.append(int(versions[i]))
+      if not is_client_side_tokenization:
+        sample.text.append(tokenizer.decode([token]))
+      if token in tokenizer.stop_tokens:
+        complete[i], sample.finish_reason = True, FINISH_STOP
+      elif lengths[i] >= slot_max_length:
+        complete[i], sample.finish_reason = True, FINISH_LENGTH
+    elif not complete[i]:
+      complete[i], sample.finish_reason = True, FINISH_STOP
+    samples.append(sample)
+  return samples, complete
+
+
+def install():
+  """Patch once; returns (engine_api, orchestrator, token_utils, jetstream_pb2, jetstream_pb2_grpc)."""
+  global _installed
+  if not hasattr(jax, "tree_map"):
+    jax.tree_map = jax.tree.map
+  _install_seqio_stub()
+  root = logging.getLogger()
+  level, handlers = root.level, list(root.handlers)
+  from jetstream.core import orchestrator
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+  from jetstream.engine import engine_api, token_utils
+  if not _installed:
+    for handler in list(root.handlers):
+      if handler not in handlers:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    token_utils.process_result_tokens = process_result_tokens
+    _installed = True
+  return engine_api, orchestrator, token_utils, jetstream_pb2, jetstream_pb2_grpc

@@ -1,0 +1,75 @@
+"""Rollout servers as subprocesses on the loopback interface."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from copc_jax.rollout.client import RolloutClient
+
+
+class ServerProcess:
+  """One `python -m copc_jax.rollout.serve` subprocess; `address` once ready."""
+
+  def __init__(self, checkpoint: str, *, slots: int = 4, max_prefill_length: int = 64,
+               max_length: int = 256, seed: int = 0, version: int = 0, log_path: str | None = None):
+    self._ready_dir = tempfile.TemporaryDirectory(prefix="copc_server_")
+    self._ready_file = os.path.join(self._ready_dir.name, "port")
+    self.log_path = log_path or os.path.join(self._ready_dir.name, "server.log")
+    command = [sys.executable, "-m", "copc_jax.rollout.serve", f"--checkpoint={checkpoint}", "--port=0",
+               f"--slots={slots}", f"--max_prefill_length={max_prefill_length}",
+               f"--max_length={max_length}", f"--seed={seed}", f"--version={version}",
+               f"--ready_file={self._ready_file}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    self._log = open(self.log_path, "w")
+    self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+    self.address: str | None = None
+
+  def wait_ready(self, timeout_s: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      if self.process.poll() is not None:
+        raise RuntimeError(f"rollout server exited with {self.process.returncode} before becoming "
+                           f"ready; log: {self.log_path}\n{self.log_tail()}")
+      if os.path.exists(self._ready_file) and os.path.getsize(self._ready_file):
+        with open(self._ready_file) as f:
+          self.address = f"127.0.0.1:{int(f.read())}"
+        client = RolloutClient(self.address)
+        try:
+          client.status(timeout_s=5)
+          return self.address
+        except Exception:  # noqa: BLE001 - not accepting yet
+          pass
+        finally:
+          client.close()
+      time.sleep(0.1)
+    self.stop()
+    raise TimeoutError(f"rollout server not ready after {timeout_s:.0f} s; log: {self.log_path}")
+
+  def log_tail(self, lines: int = 30) -> str:
+    with open(self.log_path) as f:
+      return "".join(f.readlines()[-lines:])
+
+  def alive(self) -> bool:
+    return self.process.poll() is None
+
+  def kill(self) -> None:
+    """SIGKILL the server and its process group (for failure tests)."""
+    if self.alive():
+      os.killpg(self.process.pid, signal.SIGKILL)
+    self.process.wait()
+
+  def stop(self, timeout_s: float = 10.0) -> None:
+    if self.alive():
+      os.killpg(self.process.pid, signal.SIGTERM)
+      try:
+        self.process.wait(timeout_s)
+      except subprocess.TimeoutExpired:
+        self.kill()
+    self._log.close()
+    self._ready_dir.cleanup()

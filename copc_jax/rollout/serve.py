@@ -1,0 +1,43 @@
+"""Start one copc_jax JetStream server.
+
+  python -m copc_jax.rollout.serve --checkpoint=DIR --port=PORT [--slots=4 --max_prefill_length=64 ...]
+
+Binds 127.0.0.1 unless --host says otherwise. --port=0 picks a free port; with
+--ready_file the bound port is written there once the server accepts requests.
+"""
+
+import asyncio
+import os
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + safetensors).")
+flags.DEFINE_integer("port", 0, "Port to bind; 0 picks a free one.")
+flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+flags.DEFINE_integer("slots", 4, "Concurrent generations (JetStream's max_concurrent_decodes).")
+flags.DEFINE_integer("max_prefill_length", 64, "Prompt bucket: one of 16, 32, 64, ..., 32768.")
+flags.DEFINE_integer("max_length", 256, "Prompt + generated tokens per slot.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("version", 0, "Version of the initial weights.")
+flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
+flags.mark_flag_as_required("checkpoint")
+
+
+def main(argv):
+  del argv
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from copc_jax.models import hf_io
+  from copc_jax.rollout.engine import CopcEngine
+  from copc_jax.rollout.server import serve
+
+  model, tokenizer = hf_io.from_pretrained(FLAGS.checkpoint)
+  engine = CopcEngine(model, max_concurrent_decodes=FLAGS.slots,
+                      max_prefill_length=FLAGS.max_prefill_length, max_length=FLAGS.max_length,
+                      tokenizer=tokenizer, seed=FLAGS.seed, version=FLAGS.version)
+  logging.info("serving %s on %s:%d", FLAGS.checkpoint, FLAGS.host, FLAGS.port)
+  asyncio.run(serve(engine, FLAGS.port, FLAGS.host, FLAGS.ready_file))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,203 @@
+"""A JetStream server for copc_jax: the stock Orchestrator service plus the RL service.
+
+    python -m copc_jax.rollout.serve --checkpoint=DIR --port=PORT
+
+Services on one gRPC server bound to 127.0.0.1 by default:
+
+- `jetstream_proto.Orchestrator` (`Decode`, `HealthCheck`): JetStream's own, unchanged
+  except that requests are validated first.
+- `copc.Rollout` (JSON messages, no protoc needed):
+    Generate(stream):  {token_ids, max_tokens, temperature, top_p, top_k}
+                       → stream of {token_ids, logprobs, versions, finish_reason}
+    UpdateWeights:     {path, version} → {version}   (a save_pretrained directory)
+    UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version) → {version}
+    Status:            {} → {version, slots_in_use, queue_length, max_concurrent_decodes, ...}
+
+Every request is checked before it reaches JetStream's threads, whose exceptions
+would kill the process: bad requests get INVALID_ARGUMENT with what was wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import numpy as np
+from safetensors.flax import load as load_safetensors_bytes
+
+from copc_jax.models import hf_io
+from copc_jax.rollout import jetstream_compat
+from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+
+_, orchestrator, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
+from jetstream.core.utils import async_multifuture  # noqa: E402
+
+SERVICE = "copc.Rollout"
+_to_json = lambda obj: json.dumps(obj).encode()
+_from_json = lambda data: json.loads(data.decode() or "{}")
+_raw = lambda data: data
+
+
+class RequestError(ValueError):
+  """A request that must be refused with INVALID_ARGUMENT."""
+
+
+class RLActiveRequest(orchestrator.ActiveRequest):
+  """JetStream's request with the sampling options of one RL generation."""
+
+  def __init__(self, *args, sampling: SamplingOptions, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.sampling = sampling
+
+
+class CopcDriver(orchestrator.Driver):
+  """JetStream's Driver; hands each request's sampling options to the engine's prefill."""
+
+  def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
+    for engine in self._prefill_engines:
+      engine.pending_sampling.options = getattr(request, "sampling", None)
+    content = request.prefill_content
+    if not isinstance(content, str):
+      request.prefill_content = np.asarray(content, np.int32)   # 0.2.2 needs an array without BOS
+    return super()._process_prefill_content(request, tokenizer, is_bos, max_prefill_length)
+
+
+def validate_generation(engine: CopcEngine, token_ids, max_tokens, *, bos_added: bool = False) -> None:
+  if not isinstance(token_ids, list | tuple | np.ndarray) or len(token_ids) == 0:
+    raise RequestError("token_ids must be a non-empty list of token ids")
+  if not all(isinstance(t, int | np.integer) for t in token_ids):
+    raise RequestError("token_ids must be integers")
+  vocab = engine.config.vocab_size
+  bad = [int(t) for t in token_ids if not 0 <= int(t) < vocab]
+  if bad:
+    raise RequestError(f"unknown token ids {bad[:5]}: the vocabulary has ids 0..{vocab - 1}")
+  length = len(token_ids) + int(bos_added)
+  if length > engine.max_prefill_length:
+    raise RequestError(f"prompt of {length} tokens is longer than the prefill bucket "
+                       f"({engine.max_prefill_length})")
+  if not isinstance(max_tokens, int) or max_tokens <= 0:
+    raise RequestError(f"max_tokens must be a positive integer; got {max_tokens!r}")
+  if length + max_tokens > engine.max_length:
+    raise RequestError(f"prompt ({length}) + max_tokens ({max_tokens}) exceeds the server's "
+                       f"max_length ({engine.max_length})")
+
+
+class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
+  """The stock service, refusing requests that would crash JetStream's threads."""
+
+  def __init__(self, driver, engine: CopcEngine):
+    super().__init__(driver)
+    self._engine = engine
+
+  async def Decode(self, request, context=None):  # noqa: N802 - gRPC method name
+    try:
+      if request.WhichOneof("content") == "token_content":
+        validate_generation(self._engine, list(request.token_content.token_ids), request.max_tokens,
+                            bos_added=not request.session_cache)
+      elif request.max_tokens <= 0:
+        raise RequestError(f"max_tokens must be a positive integer; got {request.max_tokens}")
+    except RequestError as err:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    async for response in super().Decode(request, context):
+      yield response
+
+
+class RolloutService:
+  """The copc_jax RL service: generation with log-probs and versions, weight updates, status."""
+
+  def __init__(self, driver, engine: CopcEngine):
+    self._driver, self._engine = driver, engine
+    self._update_lock = asyncio.Lock()
+
+  async def generate(self, request: dict, context):
+    try:
+      token_ids = request.get("token_ids")
+      max_tokens = request.get("max_tokens")
+      validate_generation(self._engine, token_ids, max_tokens)
+      sampling = SamplingOptions(temperature=float(request.get("temperature", 1.0)),
+                                 top_p=float(request.get("top_p", 1.0)), top_k=int(request.get("top_k", 0)))
+    except (RequestError, ValueError, TypeError) as err:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    active = RLActiveRequest(
+        max_tokens=max_tokens, return_channel=async_multifuture.AsyncMultifuture(),
+        prefill_content=np.asarray(token_ids, np.int32), is_client_side_tokenization=True,
+        history_path="rl", sampling=sampling)   # a history path tells 0.2.2 not to add BOS
+    self._driver.place_request_on_prefill_queue(active)
+    async for samples in active.return_channel:
+      sample = samples[0]
+      if sample.token_ids or sample.finish_reason:
+        yield {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "versions": sample.versions,
+               "finish_reason": sample.finish_reason}
+
+  async def update_weights(self, request: dict, context):
+    try:
+      version, path = int(request["version"]), request["path"]
+      tensors = await asyncio.to_thread(hf_io.read_safetensors, path)
+      return await self._swap(tensors, version)
+    except (KeyError, ValueError, TypeError, OSError) as err:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeights: {err}")
+
+  async def update_weights_bytes(self, request_iterator, context):
+    try:
+      metadata = dict(context.invocation_metadata())
+      version = int(metadata["copc-version"])
+      payload = b"".join([chunk async for chunk in request_iterator])
+      tensors = await asyncio.to_thread(load_safetensors_bytes, payload)
+      return await self._swap(tensors, version)
+    except Exception as err:  # noqa: BLE001 - any malformed payload is the client's error
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeightsBytes: {err}")
+
+  async def _swap(self, tensors, version: int):
+    async with self._update_lock:
+      def build_and_swap():
+        model = self._engine.model_like()
+        hf_io.load_weights(model, tensors)
+        self._engine.store.update(self._engine.params_of(model), version)
+      await asyncio.to_thread(build_and_swap)
+    return {"version": self._engine.store.version}
+
+  async def status(self, request: dict, context):
+    driver, engine = self._driver, self._engine
+    free = sum(q.qsize() for q in driver._generate_slots)
+    return {"version": engine.store.version, "max_concurrent_decodes": engine.max_concurrent_decodes,
+            "slots_in_use": engine.max_concurrent_decodes - free,
+            "queue_length": driver._prefill_backlog.qsize(), "live": bool(driver.live),
+            "max_prefill_length": engine.max_prefill_length, "max_length": engine.max_length,
+            "compilations": dict(engine.trace_counts)}
+
+  def handler(self) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            self.generate, request_deserializer=_from_json, response_serializer=_to_json),
+        "UpdateWeights": grpc.unary_unary_rpc_method_handler(
+            self.update_weights, request_deserializer=_from_json, response_serializer=_to_json),
+        "UpdateWeightsBytes": grpc.stream_unary_rpc_method_handler(
+            self.update_weights_bytes, request_deserializer=_raw, response_serializer=_to_json),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            self.status, request_deserializer=_from_json, response_serializer=_to_json),
+    })
+
+
+MAX_MESSAGE_BYTES = 1 << 30
+
+
+async def serve(engine: CopcEngine, port: int, host: str = "127.0.0.1", ready_file: str | None = None):
+  """Run the server until cancelled; returns the bound port through `ready_file` if given."""
+  store = engine.load_params()
+  driver = CopcDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[store],
+                      generate_params=[store], interleaved_mode=True)
+  server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+  jetstream_pb2_grpc.add_OrchestratorServicer_to_server(ValidatingOrchestrator(driver, engine), server)
+  server.add_generic_rpc_handlers([RolloutService(driver, engine).handler()])
+  bound = server.add_insecure_port(f"{host}:{port}")
+  await server.start()
+  if ready_file:
+    with open(ready_file, "w") as f:
+      f.write(str(bound))
+  try:
+    await server.wait_for_termination()
+  finally:
+    await server.stop(grace=1)
+    driver.stop()

@@ -1,0 +1,67 @@
+"""The JetStream 0.2.2 shims: each test fails if its shim regresses."""
+
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from copc_jax.rollout import jetstream_compat
+
+engine_api, orchestrator, token_utils, jetstream_pb2, _ = jetstream_compat.install()
+
+
+def test_import_chain_needs_neither_tensorflow_nor_seqio_and_keeps_the_root_logger():
+  code = (
+      "import logging, sys; root = logging.getLogger(); level = root.level; n = len(root.handlers)\n"
+      "from copc_jax.rollout import jetstream_compat; jetstream_compat.install()\n"
+      "from jetstream.core import orchestrator, server_lib\n"
+      "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
+      "assert root.level == level and len(root.handlers) == n, (root.level, root.handlers)\n"
+      "import jax; assert jax.tree_map is jax.tree.map\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_sentencepiece_vocabulary_refuses_to_build():
+  import seqio
+  with pytest.raises(ImportError, match="copc_jax does not install"):
+    seqio.vocabularies.SentencePieceVocabulary("spm.model")
+
+
+def test_orchestrator_uses_our_result_processing():
+  assert token_utils.process_result_tokens is jetstream_compat.process_result_tokens
+  assert logging.getLogger().level != logging.DEBUG or logging.getLogger().handlers == []
+
+
+class _Tokenizer:
+  stop_tokens = {2}
+
+  def decode(self, ids):
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def result(tokens, lengths, logprobs, versions):
+  data = np.stack([tokens, np.ones_like(tokens), lengths,
+                   np.asarray(logprobs, np.float32).view(np.int32), versions], axis=1).astype(np.int32)
+  return engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
+                                 samples_per_slot=1)
+
+
+def test_result_processing_keeps_logprobs_versions_and_the_stop_token():
+  rt = result(np.array([7, 2]), np.array([3, 1]), [-0.5, -1.25], [4, 5])
+  samples, complete = jetstream_compat.process_result_tokens(
+      _Tokenizer(), slot=1, slot_max_length=10, result_tokens=rt, complete=np.zeros(1, bool),
+      is_client_side_tokenization=True)
+  assert samples[0].token_ids == [2] and samples[0].logprobs == [-1.25] and samples[0].versions == [5]
+  assert samples[0].finish_reason == "stop" and complete.all()
+  samples, complete = jetstream_compat.process_result_tokens(
+      _Tokenizer(), slot=0, slot_max_length=3, result_tokens=rt, complete=np.zeros(1, bool))
+  assert samples[0].token_ids == [7] and samples[0].text == ["h"] and samples[0].finish_reason == "length"
+  assert complete.all()
+
+
+def test_stock_proto_still_loads():
+  request = jetstream_pb2.DecodeRequest(max_tokens=3)
+  assert request.max_tokens == 3

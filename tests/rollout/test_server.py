@@ -1,0 +1,162 @@
+"""Real servers (subprocesses), real gRPC on 127.0.0.1."""
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save as save_safetensors_bytes
+
+from copc_jax.models import hf_io, tiny
+from copc_jax.models.decoder import Decoder, KVCache
+from copc_jax.rollout import jetstream_compat, sampling
+from copc_jax.rollout.client import RolloutClient
+from copc_jax.rollout.process import ServerProcess
+
+_, _, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("ckpt") / "tiny"
+  tiny.make_tiny_checkpoint(str(path), "qwen2", seed=0)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+  process = ServerProcess(checkpoint, slots=4, max_prefill_length=32, max_length=96)
+  process.wait_ready()
+  client = RolloutClient(process.address)
+  yield process, client
+  client.close()
+  process.stop()
+
+
+def teacher_forced(model, prompt, generated, **options):
+  tokens = np.array([list(prompt) + list(generated)])
+  logp = sampling.sampling_logprobs(model(tokens), tokens, **options)
+  return np.asarray(logp)[0, len(prompt):]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=20)])
+def test_behaviour_logprobs_equal_the_learner_recomputation(server, checkpoint, options):
+  _, client = server
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  prompt = [1, 20, 21, 22, 23, 24]
+  out = client.generate(prompt, max_tokens=20, **options)
+  assert len(out.token_ids) == len(out.logprobs) == len(out.versions) > 0
+  assert out.finish_reason in ("stop", "length")
+  np.testing.assert_allclose(out.logprobs, teacher_forced(model, prompt, out.token_ids, **options),
+                             atol=TOL)
+  assert set(out.versions) == {client.status()["version"]}
+
+
+def test_stop_token_is_returned_with_its_logprob(server, checkpoint):
+  _, client = server
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  eos = model.config.eos_token_id
+  for seed_prompt in range(40):   # find a generation that ends on EOS
+    out = client.generate([1, 30 + seed_prompt % 50], max_tokens=60, temperature=1.5)
+    if out.finish_reason == "stop":
+      assert out.token_ids[-1] == eos and len(out.logprobs) == len(out.token_ids)
+      return
+    assert len(out.token_ids) == 60
+  pytest.skip("no sampled generation reached EOS")
+
+
+def test_malformed_requests_get_errors_and_the_server_keeps_serving(server):
+  process, client = server
+  vocab = len(tiny.make_tokenizer())
+  bad = [
+      (dict(token_ids=[], max_tokens=4), "non-empty"),
+      (dict(token_ids=[1] * 33, max_tokens=4), "longer than the prefill bucket"),
+      (dict(token_ids=[1, vocab + 5], max_tokens=4), "unknown token ids"),
+      (dict(token_ids=[1, 2], max_tokens=0), "max_tokens must be a positive integer"),
+      (dict(token_ids=[1, 2], max_tokens=95), "exceeds the server's max_length"),
+      (dict(token_ids=[1, 2], max_tokens=4, temperature=0.0), "temperature must be > 0"),
+      (dict(token_ids=[1, 2], max_tokens=4, top_p=1.5), "top_p must be in"),
+      (dict(token_ids=[1, 2], max_tokens=4, top_k=-1), "top_k must be >= 0"),
+  ]
+  for kwargs, message in bad:
+    with pytest.raises(grpc.RpcError) as err:
+      client.generate(**kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details(), (kwargs, err.value.details())
+  with pytest.raises(grpc.RpcError, match="UpdateWeights"):
+    client.update_weights("/nonexistent/dir", version=99)
+  with pytest.raises(grpc.RpcError, match="UpdateWeightsBytes"):
+    client.update_weights_bytes(b"not safetensors", version=99)
+  with pytest.raises(grpc.RpcError, match="checkpoint lacks 25 tensor"):
+    client.update_weights_bytes(save_safetensors_bytes({"model.norm.weight": np.ones(3, np.float32)}),
+                                version=99)
+  assert process.alive()
+  assert len(client.generate([1, 2, 3], max_tokens=5).token_ids) > 0
+
+
+def test_stock_jetstream_decode_client_gets_tokens(server):
+  process, _ = server
+  with grpc.insecure_channel(process.address) as channel:
+    stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+    assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest()).is_live
+    request = jetstream_pb2.DecodeRequest(
+        max_tokens=6, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[20, 21, 22]))
+    tokens = [t for response in stub.Decode(request) for s in response.stream_content.samples
+              for t in s.token_ids]
+    assert 0 < len(tokens) <= 6
+    text_request = jetstream_pb2.DecodeRequest(
+        max_tokens=4, text_content=jetstream_pb2.DecodeRequest.TextContent(text="12+3="))
+    texts = [s.text for response in stub.Decode(text_request) for s in response.stream_content.samples]
+    assert texts
+    bad = jetstream_pb2.DecodeRequest(
+        max_tokens=4, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[999999]))
+    with pytest.raises(grpc.RpcError, match="unknown token ids"):
+      list(stub.Decode(bad))
+  assert process.alive()
+
+
+def test_weight_push_mid_generation_versions_and_logprobs(checkpoint, tmp_path):
+  process = ServerProcess(checkpoint, slots=2, max_prefill_length=16, max_length=128, seed=1)
+  process.wait_ready()
+  client = RolloutClient(process.address)
+  try:
+    old, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+    new = Decoder(old.config, rngs=nnx.Rngs(42))
+    hf_io.save_pretrained(new, str(tmp_path / "v1"))
+    prompt = [1, 40, 41, 42]
+    client.generate(prompt, max_tokens=2)                  # compile prefill/insert/generate once
+    compilations_before = client.status()["compilations"]
+    assert compilations_before == {"prefill": 1, "insert": 1, "generate": 1}
+    tokens, logprobs, versions = [], [], []
+    for step in client.stream(prompt, max_tokens=100):
+      tokens += step["token_ids"]
+      logprobs += step["logprobs"]
+      versions += step["versions"]
+      if len(tokens) == 8:
+        assert client.update_weights(str(tmp_path / "v1"), version=1) == 1
+    switch = versions.index(1)
+    assert set(versions[:switch]) == {0} and set(versions[switch:]) == {1} and switch >= 8
+    # Exact check: old weights wrote the KV cache up to the switch, new weights after it.
+    cache = KVCache.create(old.config, batch=1, max_length=len(prompt) + len(tokens))
+    sequence = prompt + tokens
+    boundary = len(prompt) + switch - 1           # logits for token[switch] came from new weights
+    _, cache = old.decode(np.array([sequence[:boundary]]), np.arange(boundary)[None], cache)
+    expected = []
+    for position in range(boundary, len(sequence) - 1):
+      logits, cache = new.decode(np.array([[sequence[position]]]), np.array([[position]]), cache)
+      expected.append(float(jax.nn.log_softmax(logits[0, 0])[sequence[position + 1]]))
+    np.testing.assert_allclose(logprobs[switch + 1:], expected[1:], atol=TOL)
+    # A fresh request after the push is all version 1 and matches the new weights teacher-forced.
+    fresh = client.generate(prompt, max_tokens=15)
+    assert set(fresh.versions) == {1}
+    np.testing.assert_allclose(fresh.logprobs, teacher_forced(new, prompt, fresh.token_ids), atol=TOL)
+    # Weights swapped in place: nothing was compiled again.
+    assert client.status()["compilations"] == compilations_before
+    payload = save_safetensors_bytes({k: np.asarray(v) for k, v in
+                                      hf_io.read_safetensors(str(tmp_path / "v1")).items()})
+    assert client.update_weights_bytes(payload, version=2) == 2
+    assert set(client.generate(prompt, max_tokens=3).versions) == {2}
+  finally:
+    client.close()
+    process.stop()
