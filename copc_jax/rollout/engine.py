@@ -38,9 +38,12 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 327
 
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
+  """Per-request sampling, and token sequences that end the generation (e.g. a tool call)."""
+
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  stop_sequences: tuple[tuple[int, ...], ...] = ()
 
   def __post_init__(self):
     if not self.temperature > 0:
@@ -49,6 +52,8 @@ class SamplingOptions:
       raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0 (0 = no top-k); got {self.top_k}")
+    if any(len(s) == 0 for s in self.stop_sequences):
+      raise ValueError("stop_sequences must not contain an empty sequence")
 
 
 class ParamStore:
@@ -95,6 +100,7 @@ class Prefix:
   temperature: jax.Array
   top_p: jax.Array
   top_k: jax.Array
+  stop_sequences: tuple = struct.field(pytree_node=False, default=())
 
 
 @struct.dataclass
@@ -110,11 +116,33 @@ class DecodeState:
   rng: jax.Array
 
 
+class SlotStops:
+  """Stop sequences of the request in each slot, and the tokens it generated so far.
+
+  Written by the generate thread at insert, read by the detokenize thread, which
+  only sees a slot's results after its insert (JetStream orders both on one queue).
+  """
+
+  def __init__(self, slots: int):
+    self.sequences = [()] * slots
+    self.history: list[list[int]] = [[] for _ in range(slots)]
+
+  def start(self, slot: int, sequences) -> None:
+    self.sequences[slot], self.history[slot] = tuple(sequences), []
+
+  def push(self, slot: int, token: int) -> bool:
+    """Record a token; True if it completes one of the slot's stop sequences."""
+    history = self.history[slot]
+    history.append(token)
+    return any(len(s) <= len(history) and tuple(history[-len(s):]) == s for s in self.sequences[slot])
+
+
 class IdTokenizer(tokenizer_api.Tokenizer):
   """JetStream tokenizer over a Hugging Face tokenizer; the stop token is EOS only."""
 
-  def __init__(self, hf_tokenizer, eos_id: int, pad_id: int, bos_id: int):
+  def __init__(self, hf_tokenizer, eos_id: int, pad_id: int, bos_id: int, slot_stops: SlotStops):
     self._hf, self._eos, self._pad, self._bos = hf_tokenizer, eos_id, pad_id, bos_id
+    self.slot_stops = slot_stops
 
   def encode(self, s, **kwargs):
     ids = np.asarray(self._hf(s)["input_ids"] if self._hf is not None else [], np.int32)
@@ -158,6 +186,7 @@ class CopcEngine(engine_api.Engine):
     self._seed = seed
     self._mesh = jax.make_mesh((1,), ("x",), devices=[device])
     self.pending_sampling = threading.local()   # set by the driver's prefill thread per request
+    self.slot_stops = SlotStops(max_concurrent_decodes)
     self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
     self._prefill_jit = jax.jit(self._prefill_impl)
     self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -229,9 +258,11 @@ class CopcEngine(engine_api.Engine):
     options = getattr(self.pending_sampling, "options", None) or SamplingOptions()
     return Prefix(keys=keys, values=values, true_length=jnp.int32(true_length), last_logits=last_logits,
                   version=jnp.int32(version), temperature=jnp.float32(options.temperature),
-                  top_p=jnp.float32(options.top_p), top_k=jnp.int32(options.top_k))
+                  top_p=jnp.float32(options.top_p), top_k=jnp.int32(options.top_k),
+                  stop_sequences=options.stop_sequences)
 
   def insert(self, prefix, decode_state, slot):
+    self.slot_stops.start(slot, prefix.stop_sequences)
     return self._insert_jit(prefix, decode_state, jnp.int32(slot))
 
   def generate(self, params, decode_state):
@@ -259,7 +290,8 @@ class CopcEngine(engine_api.Engine):
     eos = self.config.eos_token_id if self.config.eos_token_id is not None else 0
     bos = self.config.bos_token_id if self.config.bos_token_id is not None else eos
     pad = getattr(self._tokenizer, "pad_token_id", None)
-    return IdTokenizer(self._tokenizer, eos_id=eos, pad_id=pad if pad is not None else eos, bos_id=bos)
+    return IdTokenizer(self._tokenizer, eos_id=eos, pad_id=pad if pad is not None else eos, bos_id=bos,
+                       slot_stops=self.slot_stops)
 
   @property
   def max_concurrent_decodes(self):

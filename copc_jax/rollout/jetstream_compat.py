@@ -29,7 +29,7 @@ import numpy as np
 # Extra int32 columns that copc_jax's engine packs after token | valid | length.
 LOGPROB_COLUMN = 3   # float32 log-probability, bit-cast to int32
 VERSION_COLUMN = 4   # weights version that produced the token
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+FINISH_STOP, FINISH_LENGTH, FINISH_STOP_SEQUENCE = "stop", "length", "stop_sequence"
 
 _installed = False
 
@@ -72,8 +72,9 @@ def process_result_tokens(tokenizer, slot: int, slot_max_length: int, result_tok
   """Drop-in for 0.2.2's `token_utils.process_result_tokens` that keeps our columns.
 
   Unlike the stock function, a stop token is returned (with its log-probability)
-  before the sample completes with finish reason "stop"; reaching `slot_max_length`
-  tokens completes it with "length".
+  before the sample completes with finish reason "stop"; the last token of one of
+  the request's stop sequences (a tool call) ends it with "stop_sequence"; reaching
+  `slot_max_length` tokens ends it with "length".
   """
   del debug
   rows = result_tokens.data[slot * result_tokens.samples_per_slot:
@@ -94,8 +95,11 @@ def process_result_tokens(tokenizer, slot: int, slot_max_length: int, result_tok
       sample.versions.append(int(versions[i]))
       if not is_client_side_tokenization:
         sample.text.append(tokenizer.decode([token]))
+      slot_stops = getattr(tokenizer, "slot_stops", None)
       if token in tokenizer.stop_tokens:
         complete[i], sample.finish_reason = True, FINISH_STOP
+      elif slot_stops is not None and slot_stops.push(slot, token):
+        complete[i], sample.finish_reason = True, FINISH_STOP_SEQUENCE
       elif lengths[i] >= slot_max_length:
         complete[i], sample.finish_reason = True, FINISH_LENGTH
     elif not complete[i]:

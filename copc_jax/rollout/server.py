@@ -7,7 +7,7 @@ Services on one gRPC server bound to 127.0.0.1 by default:
 - `jetstream_proto.Orchestrator` (`Decode`, `HealthCheck`): JetStream's own, unchanged
   except that requests are validated first.
 - `copc.Rollout` (JSON messages, no protoc needed):
-    Generate(stream):  {token_ids, max_tokens, temperature, top_p, top_k}
+    Generate(stream):  {token_ids, max_tokens, temperature, top_p, top_k, stop_sequences}
                        → stream of {token_ids, logprobs, versions, finish_reason}
     UpdateWeights:     {path, version} → {version}   (a save_pretrained directory)
     UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version) → {version}
@@ -115,8 +115,10 @@ class RolloutService:
       token_ids = request.get("token_ids")
       max_tokens = request.get("max_tokens")
       validate_generation(self._engine, token_ids, max_tokens)
+      stops = tuple(tuple(int(t) for t in seq) for seq in request.get("stop_sequences", ()))
       sampling = SamplingOptions(temperature=float(request.get("temperature", 1.0)),
-                                 top_p=float(request.get("top_p", 1.0)), top_k=int(request.get("top_k", 0)))
+                                 top_p=float(request.get("top_p", 1.0)), top_k=int(request.get("top_k", 0)),
+                                 stop_sequences=stops)
     except (RequestError, ValueError, TypeError) as err:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
     active = RLActiveRequest(

@@ -160,3 +160,14 @@ def test_weight_push_mid_generation_versions_and_logprobs(checkpoint, tmp_path):
   finally:
     client.close()
     process.stop()
+
+
+def test_stop_sequences_end_the_generation(server):
+  _, client = server
+  every_token = [[t] for t in range(3, 110)]
+  out = client.generate([1, 50, 51], max_tokens=30, stop_sequences=every_token)
+  if out.token_ids[0] > 2:                      # not EOS/BOS/PAD: the first token is a stop sequence
+    assert out.finish_reason == "stop_sequence" and len(out.token_ids) == 1
+  pair = client.generate([1, 50, 51], max_tokens=30, temperature=0.01).token_ids[1:3]  # near-greedy
+  out = client.generate([1, 50, 51], max_tokens=30, temperature=0.01, stop_sequences=[pair])
+  assert out.finish_reason == "stop_sequence" and out.token_ids[-2:] == pair
