@@ -1,0 +1,171 @@
+"""A pool of rollout servers: least-loaded routing, weight pushes, restart on failure.
+
+    with RolloutPool(checkpoint=DIR, num_servers=2) as pool:
+      out = pool.generate(prompt_ids, max_tokens=64, temperature=1.0)
+      pool.update_weights(path, version=1)
+
+Each server takes at most `max_in_flight` requests at a time (JetStream's own
+prefill queue is unbounded). A request whose server dies is resubmitted from the
+start on a healthy server after the dead one is restarted (local servers only),
+so every request returns exactly one complete generation. Servers given by
+`addresses` (e.g. on TPU VMs) are used as they are and never restarted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from copc_jax.rollout.client import Generation, RolloutClient
+from copc_jax.rollout.process import ServerProcess
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class PoolExhausted(RuntimeError):
+  """No server could complete a request after every retry."""
+
+
+class _Server:
+  def __init__(self, address: str | None, process: ServerProcess | None):
+    self.process, self.address = process, address
+    self.client = RolloutClient(address) if address else None
+    self.in_flight = 0
+    self.healthy = address is not None
+    self.restarts = 0
+    self.lock = threading.Lock()
+
+
+class RolloutPool:
+  def __init__(self, checkpoint: str | None = None, *, num_servers: int = 2,
+               addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 3,
+               **server_kwargs):
+    if (checkpoint is None) == (addresses is None):
+      raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
+    self._checkpoint, self._server_kwargs = checkpoint, server_kwargs
+    self.max_in_flight, self.max_retries = max_in_flight, max_retries
+    self._cond = threading.Condition()
+    self._latest_weights: tuple[str, int] | None = None
+    self._closed = False
+    if addresses is not None:
+      self.servers = [_Server(a, None) for a in addresses]
+    else:
+      processes = [ServerProcess(checkpoint, seed=i, **server_kwargs) for i in range(num_servers)]
+      self.servers = []
+      try:
+        for process in processes:
+          self.servers.append(_Server(process.wait_ready(), process))
+      except BaseException:
+        for process in processes:
+          process.stop()
+        raise
+    atexit.register(self.close)
+
+  # --- routing ----------------------------------------------------------------
+
+  def _acquire(self) -> _Server:
+    with self._cond:
+      while True:
+        if self._closed:
+          raise RuntimeError("the pool is closed")
+        candidates = [s for s in self.servers if s.healthy and s.in_flight < self.max_in_flight]
+        if candidates:
+          server = min(candidates, key=lambda s: s.in_flight)
+          server.in_flight += 1
+          return server
+        if not any(s.healthy for s in self.servers) and not any(s.process for s in self.servers):
+          raise PoolExhausted("every remote rollout server is unreachable")
+        self._cond.wait(timeout=1.0)
+
+  def _release(self, server: _Server) -> None:
+    with self._cond:
+      server.in_flight -= 1
+      self._cond.notify_all()
+
+  def _handle_failure(self, server: _Server) -> None:
+    """Mark the server down; restart it if it is ours and its process died."""
+    with server.lock:
+      if server.process is None:
+        server.healthy = False
+        return
+      if server.process.alive():
+        return       # a transient error: the server is still there
+      server.healthy = False
+      old = server.process
+      old.stop()
+      server.process = ServerProcess(self._checkpoint, seed=len(self.servers) + server.restarts,
+                                     **self._server_kwargs)
+      server.address = server.process.wait_ready()
+      server.client = RolloutClient(server.address)
+      server.restarts += 1
+      if self._latest_weights is not None:
+        path, version = self._latest_weights
+        server.client.update_weights(path, version)
+      server.healthy = True
+    with self._cond:
+      self._cond.notify_all()
+
+  # --- public API -------------------------------------------------------------
+
+  def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:
+    last_error = None
+    for _ in range(self.max_retries + 1):
+      server = self._acquire()
+      try:
+        return server.client.generate(token_ids, max_tokens, **sampling)
+      except grpc.RpcError as err:
+        if err.code() not in RETRYABLE:
+          raise
+        last_error = err
+      finally:
+        self._release(server)
+      self._handle_failure(server)
+    raise PoolExhausted(f"request failed {self.max_retries + 1} times; last error: {last_error}")
+
+  def generate_many(self, requests: list[dict], max_workers: int | None = None) -> list[Generation]:
+    """Run `generate(**request)` for every request concurrently; results in request order."""
+    workers = max_workers or self.max_in_flight * len(self.servers)
+    with ThreadPoolExecutor(workers) as executor:
+      return list(executor.map(lambda r: self.generate(**r), requests))
+
+  def update_weights(self, path: str, version: int) -> None:
+    """Push a `save_pretrained` directory to every server as `version` (servers restarted later get it too)."""
+    self._latest_weights = (path, version)
+    with ThreadPoolExecutor(len(self.servers)) as executor:
+      list(executor.map(lambda s: s.client.update_weights(path, version), self.servers))
+
+  def status(self) -> list[dict]:
+    return [dict(address=s.address, healthy=s.healthy, in_flight=s.in_flight, restarts=s.restarts,
+                 **(s.client.status() if s.healthy else {})) for s in self.servers]
+
+  def close(self) -> None:
+    with self._cond:
+      if self._closed:
+        return
+      self._closed = True
+      self._cond.notify_all()
+    for server in self.servers:
+      if server.client is not None:
+        server.client.close()
+      if server.process is not None:
+        server.process.stop()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if predicate():
+      return True
+    time.sleep(interval_s)
+  return predicate()

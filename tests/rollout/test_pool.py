@@ -1,0 +1,97 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from copc_jax.models import tiny
+from copc_jax.rollout.pool import RolloutPool, wait_until
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("pool") / "tiny"
+  tiny.make_tiny_checkpoint(str(path), "qwen2", seed=0)
+  return str(path)
+
+
+def test_a_killed_server_loses_and_duplicates_nothing(checkpoint):
+  with RolloutPool(checkpoint, num_servers=2, max_in_flight=4, slots=4, max_prefill_length=16,
+                   max_length=96) as pool:
+    requests = [dict(token_ids=[1, 3 + i % 90, 4 + i % 80], max_tokens=24 + i % 8) for i in range(64)]
+    results = [None] * 64
+    calls = [0] * 64
+
+    def run(i):
+      calls[i] += 1
+      results[i] = pool.generate(**requests[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+    for t in threads:
+      t.start()
+    victim = pool.servers[0]
+    assert wait_until(lambda: victim.in_flight > 0, timeout_s=60)
+    victim.process.kill()                                  # SIGKILL in the middle of the batch
+    for t in threads:
+      t.join(timeout=300)
+    assert all(not t.is_alive() for t in threads)
+    assert calls == [1] * 64
+    for request, result in zip(requests, results):
+      assert result is not None
+      assert len(result.token_ids) == len(result.logprobs) == len(result.versions)
+      assert result.finish_reason in ("stop", "length")
+      if result.finish_reason == "length":
+        assert len(result.token_ids) == request["max_tokens"]
+    assert victim.restarts == 1 and victim.process.alive()
+
+
+def test_weight_push_reaches_every_server_and_restarted_ones(checkpoint, tmp_path):
+  from copc_jax.models import hf_io
+  from copc_jax.models.decoder import Decoder
+  from flax import nnx
+
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  hf_io.save_pretrained(Decoder(model.config, rngs=nnx.Rngs(5)), str(tmp_path / "v3"))
+  with RolloutPool(checkpoint, num_servers=2, max_prefill_length=16, max_length=64) as pool:
+    pool.update_weights(str(tmp_path / "v3"), version=3)
+    assert [s["version"] for s in pool.status()] == [3, 3]
+    pool.servers[1].process.kill()
+    pool._handle_failure(pool.servers[1])
+    assert pool.status()[1]["version"] == 3
+    outs = pool.generate_many([dict(token_ids=[1, 5, 6], max_tokens=4)] * 8)
+    assert all(set(o.versions) == {3} for o in outs)
+
+
+def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
+  script = tmp_path / "run_pool.py"
+  script.write_text(textwrap.dedent(f"""
+      import sys, time
+      from copc_jax.rollout.pool import RolloutPool
+      pool = RolloutPool({checkpoint!r}, num_servers=2, max_prefill_length=16, max_length=64)
+      print(",".join(str(s.process.process.pid) for s in pool.servers), flush=True)
+      remote = RolloutPool(addresses=[s.address for s in pool.servers])
+      print(len(remote.generate([1, 7, 8], max_tokens=3).token_ids), flush=True)
+      try:
+        time.sleep(600)
+      except KeyboardInterrupt:
+        pool.close()
+        sys.exit(0)
+      """))
+  process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "XLA_FLAGS": ""})
+  pids = [int(p) for p in process.stdout.readline().split(",")]
+  assert int(process.stdout.readline()) > 0
+  process.send_signal(signal.SIGINT)
+  assert process.wait(timeout=60) == 0
+
+  def gone(pid):
+    try:
+      os.kill(pid, 0)
+      return False
+    except ProcessLookupError:
+      return True
+
+  assert wait_until(lambda: all(gone(pid) for pid in pids), timeout_s=20)
