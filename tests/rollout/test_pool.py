@@ -49,9 +49,10 @@ def test_a_killed_server_loses_and_duplicates_nothing(checkpoint):
 
 
 def test_weight_push_reaches_every_server_and_restarted_ones(checkpoint, tmp_path):
+  from flax import nnx
+
   from copc_jax.models import hf_io
   from copc_jax.models.decoder import Decoder
-  from flax import nnx
 
   model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
   hf_io.save_pretrained(Decoder(model.config, rngs=nnx.Rngs(5)), str(tmp_path / "v3"))

@@ -1,0 +1,67 @@
+import numpy as np
+import pytest
+
+from copc_jax.models import hf_io, tiny
+from copc_jax.rollout import agent, sampling
+from copc_jax.rollout.client import Generation, RolloutClient
+from copc_jax.rollout.process import ServerProcess
+
+TOOL_OUTPUT = [60, 61, 62]
+
+
+def fixed_tool(turn_tokens):
+  return list(TOOL_OUTPUT)
+
+
+def test_episode_structure_with_a_scripted_generator():
+  script = [Generation([5, 6, 9], [-1.0, -2.0, -3.0], [4, 4, 4], "stop_sequence"),
+            Generation([7, 2], [-0.5, -0.1], [5, 5], "stop")]
+  seen_contexts = []
+
+  def generate(context, max_tokens, **kw):
+    seen_contexts.append(list(context))
+    return script[len(seen_contexts) - 1]
+
+  t = agent.run_episode(generate, [1, 3], tool=fixed_tool, tool_call_end=[9], max_turns=4)
+  assert t.token_ids == [5, 6, 9, 60, 61, 62, 7, 2]
+  assert t.mask == [True] * 3 + [False] * 3 + [True] * 2
+  assert t.versions == [4, 4, 4, -1, -1, -1, 5, 5]
+  assert t.finish_reason == "stop" and t.num_turns == 2
+  assert seen_contexts[1] == [1, 3, 5, 6, 9, 60, 61, 62]      # continues from ids, no re-tokenising
+  t.reward = 1.0
+  batch = agent.to_batch([t, agent.Trajectory(prompt_ids=[1])], length=12)
+  batch.validate()
+  assert batch.rewards[0].nonzero()[0].tolist() == [9] and batch.mask[0, 5:8].tolist() == [False] * 3
+  assert batch.behavior_logprobs[0, 2:5].tolist() == [-1.0, -2.0, -3.0]
+
+
+def test_turn_limit():
+  generate = lambda context, max_tokens, **kw: Generation([9], [-1.0], [0], "stop_sequence")
+  t = agent.run_episode(generate, [1], tool=fixed_tool, tool_call_end=[9], max_turns=3)
+  assert t.finish_reason == "max_turns" and t.num_turns == 3 and len(t.token_ids) == 12
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("agent") / "tiny")
+  tiny.make_tiny_checkpoint(path, "qwen2", seed=0)
+  process = ServerProcess(path, slots=2, max_prefill_length=64, max_length=160)
+  process.wait_ready()
+  client = RolloutClient(process.address)
+  yield path, client
+  client.close()
+  process.stop()
+
+
+def test_episode_against_a_real_server_logprobs_match_the_learner(served):
+  path, client = served
+  prompt = [1, 20, 21, 22]
+  first = client.generate(prompt, max_tokens=4, temperature=0.01).token_ids[0]   # near-greedy
+  t = agent.run_episode(client.generate, prompt, tool=fixed_tool, tool_call_end=[first], max_turns=2,
+                        max_tokens_per_turn=6, temperature=0.01)
+  assert t.num_turns >= 1 and False in t.mask                                      # the tool ran
+  model, _ = hf_io.from_pretrained(path, load_tokenizer=False)
+  context = np.array([t.context])
+  recomputed = np.asarray(sampling.sampling_logprobs(model(context), context, temperature=0.01))[0]
+  generated = np.array([False] * len(prompt) + t.mask)
+  np.testing.assert_allclose(np.array(t.logprobs)[np.array(t.mask)], recomputed[generated], atol=1e-4)
