@@ -39,3 +39,12 @@ def test_learner_benchmark_runs_on_the_tiny_config():
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "estimator" in result.stdout and " tiny |" in result.stdout
+
+
+def test_rollout_benchmark_runs_with_one_server():
+  result = subprocess.run(
+      [sys.executable, "experiments/bench_rollout.py", "--hidden=64", "--layers=1", "--new-tokens=8",
+       "--rounds=1", "--servers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env={**os.environ, "XLA_FLAGS": ""})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "1 server(s) via gRPC" in result.stdout

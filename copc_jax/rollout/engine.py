@@ -62,10 +62,16 @@ class ParamStore:
   def __init__(self, params, version: int = 0):
     self._lock = threading.Lock()
     self._params, self._version = params, version
+    self._version_array = jnp.int32(version)
 
   def get(self):
     with self._lock:
       return self._params, self._version
+
+  def get_for_device(self):
+    """(weights, version as a device scalar): no host-to-device copy per decode step."""
+    with self._lock:
+      return self._params, self._version_array
 
   @property
   def version(self) -> int:
@@ -86,8 +92,9 @@ class ParamStore:
         raise ValueError(f"weight #{i}: shape {tuple(np.shape(new))} != served shape {tuple(old.shape)}")
       placed.append(jax.device_put(jnp.asarray(new, old.dtype), old.sharding))
     placed = jax.block_until_ready(jax.tree.unflatten(treedef, placed))
+    version_array = jnp.int32(version)
     with self._lock:
-      self._params, self._version = placed, version
+      self._params, self._version, self._version_array = placed, version, version_array
 
 
 @struct.dataclass
@@ -266,8 +273,8 @@ class CopcEngine(engine_api.Engine):
     return self._insert_jit(prefix, decode_state, jnp.int32(slot))
 
   def generate(self, params, decode_state):
-    weights, version = params.get()
-    state, data = self._generate_jit(weights, decode_state, jnp.int32(version))
+    weights, version = params.get_for_device()
+    state, data = self._generate_jit(weights, decode_state, version)
     return state, engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
                                           length_idx=(2, 3), samples_per_slot=1)
 

@@ -21,6 +21,7 @@ flags.DEFINE_integer("max_length", 256, "Prompt + generated tokens per slot.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("version", 0, "Version of the initial weights.")
 flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
+flags.DEFINE_bool("log_steps", False, "Keep JetStream's per-step INFO logs (slow: several lines per step).")
 flags.mark_flag_as_required("checkpoint")
 
 
@@ -36,6 +37,9 @@ def main(argv):
                       max_prefill_length=FLAGS.max_prefill_length, max_length=FLAGS.max_length,
                       tokenizer=tokenizer, seed=FLAGS.seed, version=FLAGS.version)
   logging.info("serving %s on %s:%d", FLAGS.checkpoint, FLAGS.host, FLAGS.port)
+  if not FLAGS.log_steps:
+    # JetStream 0.2.2 logs several INFO lines on the root logger for every decode step.
+    logging.set_verbosity(logging.WARNING)
   asyncio.run(serve(engine, FLAGS.port, FLAGS.host, FLAGS.ready_file))
 
 
