@@ -25,7 +25,11 @@ def _format_of(path: str) -> str:
 
 def read_records(path: str, *, question_field: str = "question", answer_field: str = "answer",
                  keep_fields: tuple[str, ...] = ()) -> list[dict]:
-  """Rows as {"index", "question", "answer", *keep_fields}; names the missing field if any."""
+  """Rows as {"index", "question", "answer", *keep_fields}; names the missing field if any.
+
+  `answer` is a string, or a list of strings where the source lists several
+  acceptable answers (NQ / Search-R1's `golden_answers`).
+  """
   if not os.path.exists(path):
     raise FileNotFoundError(f"data file not found: {path}")
   if _format_of(path) == "jsonl":
@@ -39,7 +43,9 @@ def read_records(path: str, *, question_field: str = "question", answer_field: s
     for field in (question_field, answer_field, *keep_fields):
       if field not in row:
         raise ValueError(f"{path} row {i}: no field {field!r}; the row has {sorted(row)}")
-    records.append({"index": i, "question": row[question_field], "answer": str(row[answer_field]),
+    answer = row[answer_field]
+    answer = [str(a) for a in answer] if isinstance(answer, list | tuple) else str(answer)
+    records.append({"index": i, "question": row[question_field], "answer": answer,
                     **{k: row[k] for k in keep_fields}})
   if not records:
     raise ValueError(f"{path}: no records")

@@ -46,3 +46,12 @@ def test_resuming_continues_with_the_next_unseen_prompt():
   resumed = data.PromptIterator(records, seed=3, state=state)
   assert [next(resumed)["index"] for _ in range(6)] == expected
   assert set(consumed + expected[:2]) == set(range(7))
+
+
+def test_nq_style_rows_keep_every_acceptable_answer():
+  from copc_jax.envs import search
+
+  nq = data.read_records(os.path.join(FIXTURES, "nq_sample.jsonl"), answer_field="golden_answers",
+                         keep_fields=("id",))
+  assert nq[1]["answer"] == ["Canberra", "Canberra, ACT"] and nq[1]["id"] == "nq_1"
+  assert search.search_reward("<answer>canberra, act</answer>", nq[1]["answer"]) == 1.0

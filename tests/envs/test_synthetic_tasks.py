@@ -1,0 +1,50 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from copc_jax.envs import math_tool, search, synthetic_tasks
+from copc_jax.models import tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_generation_is_deterministic_and_splits_are_disjoint():
+  train, evaluation = synthetic_tasks.arithmetic_splits(seed=3, train=50, eval=20)
+  assert synthetic_tasks.arithmetic_splits(seed=3, train=50, eval=20) == (train, evaluation)
+  assert not {p["question"] for p in train} & {p["question"] for p in evaluation}
+  kb, ktrain, keval = synthetic_tasks.knowledge_splits(seed=3)
+  assert synthetic_tasks.knowledge_splits(seed=3)[1] == ktrain
+  assert not {q["question"] for q in ktrain} & {q["question"] for q in keval}
+  assert {q["hops"] for q in keval} == {1, 2}
+
+
+def test_demonstrations_earn_full_reward_and_the_tokenizer_covers_them():
+  tokenizer = tiny.make_tokenizer()
+  train, _ = synthetic_tasks.arithmetic_splits(seed=0, train=5, eval=1)
+  kb, ktrain, _ = synthetic_tasks.knowledge_splits(seed=0)
+  retriever = search.Retriever(kb.passages())
+  texts = []
+  for p in train:
+    demo = synthetic_tasks.arithmetic_demonstration(p)
+    assert math_tool.math_reward(demo, p["answer"]).correct
+    texts += [math_tool.format_prompt(p["question"]), demo]
+  for q in ktrain[:10]:
+    demo = synthetic_tasks.search_demonstration(q, kb, retriever)
+    assert search.search_reward(demo, q["answer"]) == 1.0
+    texts += [search.format_prompt(q["question"]), demo]
+  for text in texts:
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.unk_token_id not in ids, text
+    assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root namespaces")
+def test_oracle_script_shows_the_tool_is_needed():
+  result = subprocess.run([sys.executable, "experiments/oracle_tasks.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = {line.split()[0] + line.split()[1]: line.split()[-2:] for line in result.stdout.splitlines()[1:]}
+  for with_tool, without in rows.values():
+    assert float(with_tool) > 0.9 and float(without) < 0.2
