@@ -64,8 +64,8 @@ def _check_args(rewards, values, target_logprobs, behavior_logprobs, mask,
   if advantage_form not in ADVANTAGE_FORMS:
     raise ValueError(f"advantage_form must be one of {ADVANTAGE_FORMS}; got {advantage_form!r}")
   for name, (lo, hi) in (("rho_clip", rho_clip), ("trace_clip", trace_clip)):
-    if not lo <= hi:
-      raise ValueError(f"{name} must satisfy min <= max; got {(lo, hi)}")
+    if not 0 <= lo <= hi:
+      raise ValueError(f"{name} must satisfy 0 <= min <= max; got {(lo, hi)}")
 
 
 def _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
@@ -90,10 +90,14 @@ def _scan_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
                gamma, lam, advantage_form):
   """Reverse `lax.scan` over time with carry (G, U); returns (advantages, returns)."""
   want_pg = advantage_form == "vtrace_pg"
+  # XLA's per-step cost grows with every scanned input, so the mask rides in the
+  # sign of the trace coefficient (always >= 0 on policy tokens): 4 inputs, not 5.
+  signed_trace_bt = jnp.where(mask_bt, trace_bt, -1.0)
 
   def step(carry, x):
     g_next, u_next = carry
-    r_t, v_t, rho_t, trace_t, policy_t = x
+    r_t, v_t, rho_t, trace_t = x
+    policy_t = trace_t >= 0
     rho_delta_t = rho_t * (r_t - v_t + u_next)          # ρ̃_t δ_t (U holds γV_next + masked rewards)
     g_t = jnp.where(policy_t, rho_delta_t + trace_t * g_next, g_next)
     u_t = jnp.where(policy_t, gamma * v_t, u_next + r_t)
@@ -104,7 +108,7 @@ def _scan_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
     return (g_t, u_t), outputs
 
   batch = rewards_bt.shape[0]
-  xs = tuple(x.T for x in (rewards_bt, values_bt, rho_bt, trace_bt, mask_bt))  # [T, B]
+  xs = tuple(x.T for x in (rewards_bt, values_bt, rho_bt, signed_trace_bt))  # [T, B]
   init = (jnp.zeros((batch,), jnp.float32), gamma * bootstrap_b)
   _, (advantages_tb, returns_tb) = jax.lax.scan(step, init, xs, reverse=True)
   return advantages_tb.T, returns_tb.T

@@ -236,6 +236,7 @@ def test_padding_with_garbage_is_ignored():
 @pytest.mark.parametrize("kw, message", [
     (dict(rho_clip=(2.0, 1.0)), "rho_clip"),
     (dict(trace_clip=(1.0, 0.5)), "trace_clip"),
+    (dict(trace_clip=(-0.5, 1.0)), r"trace_clip must satisfy 0 <= min"),
     (dict(advantage_form="gae"), "advantage_form"),
     (dict(gamma=-0.1), "gamma"),
     (dict(lam=1.5), "lam"),
