@@ -1,0 +1,33 @@
+"""Two learner processes through jax.distributed on localhost: one global mesh, same step as one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import multihost_worker
+import portpicker
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices for the 1-process reference")
+def test_two_processes_equal_one():
+  port = portpicker.pick_unused_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  workers = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+  results = []
+  for worker in workers:
+    out, err = worker.communicate(timeout=300)
+    assert worker.returncode == 0, err[-3000:]
+    results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+  assert all(r["process_count"] == 2 and r["device_count"] == 8 for r in results)
+  assert results[0] == results[1]                       # both processes see the same global step
+  single = multihost_worker.run_step()                  # this process: 8 local fake devices
+  for key in ("actor_loss", "value_loss", "actor_grad_norm", "param_checksum"):
+    assert results[0][key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
