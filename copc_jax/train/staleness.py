@@ -1,0 +1,102 @@
+"""Staleness accounting for asynchronous training: admission control and a bounded buffer.
+
+Staleness of a token = learner version at the update that uses it − version
+that sampled it. With a bound η (`max_staleness`):
+
+- `AdmissionControl.try_start()` admits a new rollout only if, counting the
+  rollouts already in flight or buffered ahead of it, it will be consumed by an
+  update at most η versions after the version it starts with;
+- `TrajectoryBuffer.take(n, learner_version)` hands out trajectories in arrival order
+  and never one whose oldest token is more than η versions behind; such a
+  trajectory (one that finished late, out of order) is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+
+@dataclasses.dataclass
+class AdmissionControl:
+  """Decides whether a rollout may start now; one version step per `batch_size` trajectories."""
+
+  max_staleness: int
+  batch_size: int
+  learner_version: int = 0
+  pending: int = 0            # started (in flight or buffered), not yet consumed
+
+  def __post_init__(self):
+    if self.max_staleness < 0 or self.batch_size < 1:
+      raise ValueError(f"max_staleness must be >= 0 and batch_size >= 1; got {self.max_staleness}, "
+                       f"{self.batch_size}")
+    self._lock = threading.Lock()
+
+  def consumed_at(self, position: int) -> int:
+    """Learner version of the update that will consume the `position`-th pending rollout (0-based)."""
+    return self.learner_version + position // self.batch_size
+
+  def try_start(self) -> bool:
+    """Admit one more rollout starting with the current weights, if it will not be too stale."""
+    with self._lock:
+      if self.consumed_at(self.pending) - self.learner_version > self.max_staleness:
+        return False
+      self.pending += 1
+      return True
+
+  def on_update(self, consumed: int) -> None:
+    """The learner consumed `consumed` rollouts and moved to the next version."""
+    with self._lock:
+      if consumed > self.pending:
+        raise ValueError(f"consumed {consumed} rollouts but only {self.pending} were started")
+      self.pending -= consumed
+      self.learner_version += 1
+
+  def on_dropped(self, count: int = 1) -> None:
+    with self._lock:
+      self.pending -= count
+
+
+@dataclasses.dataclass
+class BufferedTrajectory:
+  trajectory: object
+  oldest_version: int
+
+
+class TrajectoryBuffer:
+  """FIFO of finished rollouts; `take` enforces the staleness bound and records what it saw."""
+
+  def __init__(self, max_staleness: int):
+    if max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0; got {max_staleness}")
+    self.max_staleness = max_staleness
+    self._items: collections.deque[BufferedTrajectory] = collections.deque()
+    self._cond = threading.Condition()
+    self.dropped = 0
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def put(self, trajectory, oldest_version: int) -> None:
+    with self._cond:
+      self._items.append(BufferedTrajectory(trajectory, oldest_version))
+      self._cond.notify_all()
+
+  def take(self, n: int, learner_version: int, timeout_s: float | None = None):
+    """`n` trajectories at most η versions old (in arrival order) and their staleness; None on timeout."""
+    with self._cond:
+      while True:
+        fresh = [i for i in self._items if learner_version - i.oldest_version <= self.max_staleness]
+        self.dropped += len(self._items) - len(fresh)   # rollouts that finished out of order, too late
+        self._items = collections.deque(fresh)
+        if len(self._items) >= n:
+          items = [self._items.popleft() for _ in range(n)]
+          return [i.trajectory for i in items], [learner_version - i.oldest_version for i in items]
+        if not self._cond.wait(timeout_s):
+          return None
+
+  def snapshot(self) -> list[BufferedTrajectory]:
+    """The buffered trajectories (for checkpoints), oldest first."""
+    with self._cond:
+      return list(self._items)
