@@ -1,0 +1,82 @@
+"""Supervised warm start on demonstrations, so RL starts from a policy that follows the format.
+
+The loss is the token-mean negative log-likelihood of the response tokens the
+policy would generate; prompt tokens and tool output (`<output>…</output>`,
+`<information>…</information>`) are context only, as they will be in RL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from copc_jax.train.learner import OptimizerConfig, token_logprobs_and_entropy
+
+TOOL_OUTPUT_SPANS = (r"<output>.*?</output>", r"<information>.*?</information>")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemonstrationBatch:
+  tokens: np.ndarray          # int32 [B, T]
+  attention_mask: np.ndarray  # bool [B, T]
+  loss_mask: np.ndarray       # bool [B, T]: response tokens written by the policy
+
+
+def encode_demonstrations(tokenizer, prompts: list[str], responses: list[str], length: int,
+                          bos_id: int | None = None) -> DemonstrationBatch:
+  """Tokenise prompt + response pairs; loss on response characters outside tool-output spans."""
+  b = len(prompts)
+  tokens = np.zeros((b, length), np.int32)
+  attention_mask = np.zeros((b, length), bool)
+  loss_mask = np.zeros((b, length), bool)
+  for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+    text = prompt + response
+    encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+    if bos_id is not None:
+      ids, offsets = [bos_id] + ids, [(0, 0)] + offsets
+    eos = tokenizer.eos_token_id
+    ids.append(eos)
+    offsets.append((len(text), len(text) + 1))   # the policy learns to stop
+    if len(ids) > length:
+      raise ValueError(f"demonstration {i} has {len(ids)} tokens; the batch length is {length}")
+    tool_spans = [m.span() for pattern in TOOL_OUTPUT_SPANS for m in re.finditer(pattern, text, re.S)]
+    for t, (start, end) in enumerate(offsets):
+      in_response = start >= len(prompt) and end > start
+      in_tool = any(s <= start and end <= e for s, e in tool_spans)
+      loss_mask[i, t] = in_response and not in_tool
+    tokens[i, :len(ids)] = ids
+    attention_mask[i, :len(ids)] = True
+  return DemonstrationBatch(tokens, attention_mask, loss_mask)
+
+
+def sft_loss(actor, batch: DemonstrationBatch):
+  logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
+  logp, _ = token_logprobs_and_entropy(logits, batch.tokens)
+  mask = jnp.asarray(batch.loss_mask, jnp.float32)
+  return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+class WarmStart:
+  """AdamW on `sft_loss`; `step(batch)` returns the loss before the update."""
+
+  def __init__(self, actor, optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3)):
+    self.actor = actor
+    self.optimizer = nnx.Optimizer(actor, optimizer.make(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(actor, opt, tokens, attention_mask, loss_mask):
+      batch = DemonstrationBatch(tokens, attention_mask, loss_mask)
+      loss, grads = nnx.value_and_grad(sft_loss)(actor, batch)
+      opt.update(actor, grads)
+      return loss
+
+    self._step = step
+
+  def step(self, batch: DemonstrationBatch) -> float:
+    return float(self._step(self.actor, self.optimizer, batch.tokens, batch.attention_mask, batch.loss_mask))
+
