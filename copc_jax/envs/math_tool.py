@@ -11,12 +11,11 @@ code execution that failed.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from copc_jax.envs import sandbox
+from copc_jax.envs import sandbox, tags
 
 CODE_OPEN, CODE_CLOSE = "<code>", "</code>"
 OUTPUT_OPEN, OUTPUT_CLOSE = "<output>", "</output>"
@@ -34,14 +33,8 @@ def format_prompt(question: str) -> str:
 
 def extract_code(turn_text: str) -> str | None:
   """The code of a tool call: the text after the last <code> of a turn that ends with </code>."""
-  text = turn_text.rstrip()
-  if not text.endswith(CODE_CLOSE):
-    return None
-  body = text[: -len(CODE_CLOSE)]
-  start = body.rfind(CODE_OPEN)
-  if start < 0:
-    return None
-  return body[start + len(CODE_OPEN):].strip("\n")
+  body = tags.tool_call_body(turn_text, CODE_OPEN, CODE_CLOSE)
+  return None if body is None else body.strip("\n")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -61,8 +54,7 @@ def _last_boxed(text: str) -> str | None:
 
 def extract_answer(response: str) -> str | None:
   """The final answer: the last complete <answer>…</answer> or \\boxed{…}, whichever comes later."""
-  tagged = [(m.start(), m.group(1)) for m in re.finditer(
-      re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), response, flags=re.S)]
+  tagged = tags.tagged_spans(response, ANSWER_OPEN, ANSWER_CLOSE)
   boxed = _last_boxed(response)
   candidates = list(tagged)
   if boxed is not None:

@@ -21,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import bm25s
 import numpy as np
 
+from copc_jax.envs import tags
+
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 INFO_OPEN, INFO_CLOSE = "<information>", "</information>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -67,19 +69,14 @@ def f1_score(prediction: str, answers: str | list[str]) -> float:
 
 def extract_answer(response: str) -> str | None:
   """The last complete <answer>…</answer>; None if there is none."""
-  matches = re.findall(re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), response, flags=re.S)
-  return matches[-1].strip() if matches else None
+  spans = tags.tagged_spans(response, ANSWER_OPEN, ANSWER_CLOSE)
+  return spans[-1][1].strip() if spans else None
 
 
 def extract_query(turn_text: str) -> str | None:
   """The query of a search call: after the last <search> of a turn that ends with </search>."""
-  text = turn_text.rstrip()
-  if not text.endswith(SEARCH_CLOSE):
-    return None
-  body = text[: -len(SEARCH_CLOSE)]
-  start = body.rfind(SEARCH_OPEN)
-  query = body[start + len(SEARCH_OPEN):].strip() if start >= 0 else ""
-  return query or None
+  body = tags.tool_call_body(turn_text, SEARCH_OPEN, SEARCH_CLOSE)
+  return (body or "").strip() or None
 
 
 def search_reward(response: str, answers: str | list[str], *, metric: str = "em") -> float:
