@@ -1,0 +1,55 @@
+"""Checkpoints of the whole training state through orbax, safe against a kill at any moment.
+
+Saved per step: the learner state (actor, critic, both optimizers), the RNG, and
+a JSON record of the rest (step, weights version, data-iterator state, buffered
+trajectories, anything else the trainer adds). orbax writes each step into a
+temporary directory and renames it when complete, so a process killed during a
+save leaves the previous checkpoint as the latest; `restore_latest` never sees
+a partial one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+
+class Checkpointer:
+  def __init__(self, directory: str, max_to_keep: int = 3):
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+  def save(self, step: int, learner_state, rng, record: dict) -> None:
+    """Write step `step` and wait until it is on disk."""
+    pytree = {"learner": nnx.to_pure_dict(learner_state), "rng": jax.random.key_data(rng)}
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(pytree), record=ocp.args.JsonSave(record)))
+    self._manager.wait_until_finished()
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def restore_latest(self, learner_state_like, rng_like):
+    """(step, learner state, rng, record) of the latest complete checkpoint, or None if there is none.
+
+    `learner_state_like` gives the structure, dtypes and shardings (e.g. a freshly built learner's state).
+    """
+    step = self._manager.latest_step()
+    if step is None:
+      return None
+    abstract = {"learner": jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                        nnx.to_pure_dict(learner_state_like)),
+                "rng": ocp.utils.to_shape_dtype_struct(jax.random.key_data(rng_like))}
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
+    learner_state = learner_state_like
+    nnx.replace_by_pure_dict(learner_state, restored["state"]["learner"])
+    rng = jax.random.wrap_key_data(restored["state"]["rng"], impl=jax.random.key_impl(rng_like))
+    return step, learner_state, rng, dict(restored["record"])
+
+  def close(self) -> None:
+    self._manager.close()
