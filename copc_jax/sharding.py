@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -126,7 +125,3 @@ def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
-
-
-def host_array(x) -> np.ndarray:
-  return np.asarray(jax.device_get(x))

@@ -95,8 +95,3 @@ class TrajectoryBuffer:
           return [i.trajectory for i in items], [learner_version - i.oldest_version for i in items]
         if not self._cond.wait(timeout_s):
           return None
-
-  def snapshot(self) -> list[BufferedTrajectory]:
-    """The buffered trajectories (for checkpoints), oldest first."""
-    with self._cond:
-      return list(self._items)
