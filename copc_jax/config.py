@@ -13,11 +13,15 @@ import dataclasses
 from typing import Any
 
 from copc_jax import presets
+from copc_jax.envs.tasks import TaskConfig
 from copc_jax.losses import ActorLossConfig, ValueLossConfig
 from copc_jax.presets import EstimatorConfig
 from copc_jax.sharding import ShardingConfig
+from copc_jax.train.rollouts import RolloutConfig
+from copc_jax.train.trainer import ModelSource, TrainerConfig
+from copc_jax.train.warm_start import WarmStartConfig
 
-JOBS = ("gradient_check",)
+JOBS = ("train", "gradient_check")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,11 @@ class ExperimentConfig:
   value: ValueLossConfig
   gradient_check: GradientCheckConfig
   sharding: ShardingConfig
+  model: ModelSource = ModelSource()
+  task: TaskConfig = TaskConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  trainer: TrainerConfig = TrainerConfig()
+  warm_start: WarmStartConfig = WarmStartConfig()
 
 
 def _as_plain(value):
@@ -98,11 +107,12 @@ def _build(cls, section: str, values: dict[str, Any], base=None):
 def from_config_dict(config) -> ExperimentConfig:
   """Validate a ConfigDict (or plain dict) and return the typed configuration."""
   config = _as_plain(config)
-  allowed = {"job", "preset", "seed", "estimator", "actor", "value", "gradient_check", "sharding"}
+  allowed = {"job", "preset", "seed", "estimator", "actor", "value", "gradient_check", "sharding", "model",
+             "task", "rollout", "trainer", "warm_start"}
   unknown = sorted(set(config) - allowed)
   if unknown:
     raise ValueError(f"config: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
-  job = config.get("job", "gradient_check")
+  job = config.get("job", "train")
   if job not in JOBS:
     raise ValueError(f"config.job must be one of {JOBS}; got {job!r}")
   try:
@@ -121,4 +131,9 @@ def from_config_dict(config) -> ExperimentConfig:
       value=_build(ValueLossConfig, "value", config.get("value")),
       gradient_check=_build(GradientCheckConfig, "gradient_check", config.get("gradient_check")),
       sharding=_build(ShardingConfig, "sharding", config.get("sharding")),
+      model=_build(ModelSource, "model", config.get("model")),
+      task=_build(TaskConfig, "task", config.get("task")),
+      rollout=_build(RolloutConfig, "rollout", config.get("rollout")),
+      trainer=_build(TrainerConfig, "trainer", config.get("trainer")),
+      warm_start=_build(WarmStartConfig, "warm_start", config.get("warm_start")),
   )

@@ -10,25 +10,32 @@ from ml_collections import config_flags
 
 from copc_jax import config as config_lib
 from copc_jax import synthetic
+from copc_jax.train import trainer
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for outputs (metrics, checkpoints).")
 flags.mark_flags_as_required(["config", "workdir"])
 
-JOBS = {"gradient_check": synthetic.run}
+JOBS = {"train": trainer.run, "gradient_check": synthetic.run}
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)     # orbax and JetStream log every save and step at INFO
   config = config_lib.from_config_dict(FLAGS.config)
   logging.info("python %s, jax %s, flax %s, optax %s", platform.python_version(),
                jax.__version__, flax.__version__, optax.__version__)
   logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(),
                jax.devices())
   logging.info("config: %s", config)
-  JOBS[config.job](config, FLAGS.workdir)
+  try:
+    JOBS[config.job](config, FLAGS.workdir)
+  except (trainer.TrainingError, FileNotFoundError) as err:
+    logging.error("%s", err)
+    raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

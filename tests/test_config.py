@@ -64,7 +64,7 @@ def run_main(*args):
 
 
 def test_main_runs_the_smoke_job_through_absl_flags(tmp_path):
-  result = run_main("--config=configs/default.py", f"--workdir={tmp_path}",
+  result = run_main("--config=configs/gradient_check.py", f"--workdir={tmp_path}",
                     "--config.gradient_check.num_trajectories=64",
                     "--config.gradient_check.num_steps=6",
                     "--config.gradient_check.staleness_drifts=(0.0,1.0)")
@@ -74,7 +74,7 @@ def test_main_runs_the_smoke_job_through_absl_flags(tmp_path):
 
 
 def test_main_rejects_a_bad_override_naming_the_field(tmp_path):
-  result = run_main("--config=configs/default.py", f"--workdir={tmp_path}",
+  result = run_main("--config=configs/gradient_check.py", f"--workdir={tmp_path}",
                     "--config.estimator.gamma=-1.0")
   assert result.returncode != 0
   assert "config.estimator.gamma must be >= 0; got -1.0" in result.stderr

@@ -11,6 +11,7 @@ code execution that failed.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -90,7 +91,8 @@ def answers_match(prediction: str, ground_truth: str, timeout_s: int = 5) -> boo
     return _verify(prediction, ground_truth, timeout_s)
   with _worker_lock:
     if _worker is None:
-      _worker = ProcessPoolExecutor(max_workers=1)
+      # spawn, not fork: forking a process that runs JAX threads can deadlock the child.
+      _worker = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     future = _worker.submit(_verify, prediction, ground_truth, None)
   try:
     return future.result(timeout=timeout_s)
@@ -118,6 +120,15 @@ def math_reward(response: str, ground_truth: str, *, code_error_penalty: float =
   correct = answer is not None and answers_match(answer, str(ground_truth), timeout_s)
   return MathReward(correct=correct, reward=float(correct) - code_error_penalty * code_errors,
                     answer=answer, code_errors=code_errors)
+
+
+FAILED_RUN_PREFIXES = tuple(f"{OUTPUT_OPEN}\n{status}:" for status in ("error", "timeout", "memory",
+                                                                      "output_limit"))
+
+
+def count_code_errors(response: str) -> int:
+  """Tool outputs in a response that report a failed run (as `CodeTool` formats them)."""
+  return sum(response.count(prefix) for prefix in FAILED_RUN_PREFIXES)
 
 
 @dataclasses.dataclass

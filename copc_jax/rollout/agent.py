@@ -44,23 +44,39 @@ class Trajectory:
 
 def run_episode(generate: GenerateFn, prompt_ids: Sequence[int], *, tool: ToolFn,
                 tool_call_end: Sequence[int], max_turns: int = 4, max_tokens_per_turn: int = 64,
-                max_context: int | None = None, **sampling) -> Trajectory:
-  """Run one episode; `max_context` bounds prompt + generated + tool tokens (the server's bucket)."""
+                max_prompt_length: int | None = None, max_length: int | None = None,
+                **sampling) -> Trajectory:
+  """Run one episode within the server's limits.
+
+  Each turn's context must fit `max_prompt_length` (the server's prefill bucket)
+  and context + generated tokens `max_length`; an episode that would exceed
+  either ends with finish reason "context_full".
+  """
   if max_turns < 1 or max_tokens_per_turn < 1:
     raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
   trajectory = Trajectory(prompt_ids=list(prompt_ids))
   for turn in range(max_turns):
-    out = generate(trajectory.context, max_tokens_per_turn, stop_sequences=[list(tool_call_end)],
-                   **sampling)
+    context = trajectory.context
+    room = max_tokens_per_turn if max_length is None else min(max_tokens_per_turn, max_length - len(context))
+    if room < 1 or (max_prompt_length is not None and len(context) > max_prompt_length):
+      if turn == 0:
+        raise ValueError(f"the prompt has {len(context)} tokens; the rollout servers take at most "
+                         f"{max_prompt_length} (max_prefill_length) with room to generate in {max_length}")
+      trajectory.finish_reason = "context_full"
+      return trajectory
+    out = generate(context, room, stop_sequences=[list(tool_call_end)], **sampling)
     trajectory.append(out.token_ids, generated=True, logprobs=out.logprobs, versions=out.versions)
     trajectory.num_turns = turn + 1
     trajectory.finish_reason = out.finish_reason
     if out.finish_reason != "stop_sequence":
       return trajectory
-    trajectory.append(tool(list(out.token_ids)), generated=False)
-    if max_context is not None and len(trajectory.context) >= max_context:
+    output = tool(list(out.token_ids))
+    if max_length is not None and len(trajectory.context) + len(output) >= max_length:
+      # No room for another turn: keep what fits (context only, nothing follows it).
+      trajectory.append(output[:max_length - len(trajectory.context)], generated=False)
       trajectory.finish_reason = "context_full"
       return trajectory
+    trajectory.append(output, generated=False)
   trajectory.finish_reason = "max_turns"
   return trajectory
 

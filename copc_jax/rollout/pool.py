@@ -14,6 +14,7 @@ so every request returns exactly one complete generation. Servers given by
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,28 +44,36 @@ class _Server:
 
 class RolloutPool:
   def __init__(self, checkpoint: str | None = None, *, num_servers: int = 2,
-               addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 3,
-               **server_kwargs):
+               addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 5,
+               ready_timeout_s: float = 120.0, log_dir: str | None = None, **server_kwargs):
     if (checkpoint is None) == (addresses is None):
       raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
-    self._checkpoint, self._server_kwargs = checkpoint, server_kwargs
+    self._checkpoint, self._server_kwargs, self._log_dir = checkpoint, server_kwargs, log_dir
     self.max_in_flight, self.max_retries = max_in_flight, max_retries
+    self.ready_timeout_s = ready_timeout_s
     self._cond = threading.Condition()
     self._latest_weights: tuple[str, int] | None = None
     self._closed = False
     if addresses is not None:
       self.servers = [_Server(a, None) for a in addresses]
     else:
-      processes = [ServerProcess(checkpoint, seed=i, **server_kwargs) for i in range(num_servers)]
+      processes = [ServerProcess(checkpoint, seed=i, log_path=self._log_path(i), **server_kwargs)
+                   for i in range(num_servers)]
       self.servers = []
       try:
         for process in processes:
-          self.servers.append(_Server(process.wait_ready(), process))
+          self.servers.append(_Server(process.wait_ready(ready_timeout_s), process))
       except BaseException:
         for process in processes:
           process.stop()
         raise
     atexit.register(self.close)
+
+  def _log_path(self, index: int) -> str | None:
+    if self._log_dir is None:
+      return None
+    os.makedirs(self._log_dir, exist_ok=True)
+    return os.path.join(self._log_dir, f"server_{index}.log")
 
   # --- routing ----------------------------------------------------------------
 
@@ -98,9 +107,10 @@ class RolloutPool:
       server.healthy = False
       old = server.process
       old.stop()
-      server.process = ServerProcess(self._checkpoint, seed=len(self.servers) + server.restarts,
+      seed = len(self.servers) + server.restarts
+      server.process = ServerProcess(self._checkpoint, seed=seed, log_path=self._log_path(seed),
                                      **self._server_kwargs)
-      server.address = server.process.wait_ready()
+      server.address = server.process.wait_ready(self.ready_timeout_s)
       server.client = RolloutClient(server.address)
       server.restarts += 1
       if self._latest_weights is not None:
@@ -114,7 +124,9 @@ class RolloutPool:
 
   def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:
     last_error = None
-    for _ in range(self.max_retries + 1):
+    for attempt in range(self.max_retries + 1):
+      if attempt:
+        time.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))   # a busy or restarting server gets a moment
       server = self._acquire()
       try:
         return server.client.generate(token_ids, max_tokens, **sampling)

@@ -23,9 +23,9 @@ class ServerProcess:
     command = [sys.executable, "-m", "copc_jax.rollout.serve", f"--checkpoint={checkpoint}", "--port=0",
                f"--slots={slots}", f"--max_prefill_length={max_prefill_length}",
                f"--max_length={max_length}", f"--seed={seed}", f"--version={version}",
-               f"--ready_file={self._ready_file}"]
+               f"--ready_file={self._ready_file}", "--exit_with_parent"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    self._log = open(self.log_path, "w")
+    self._log = open(self.log_path, "a")
     self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
     self.address: str | None = None

@@ -8,6 +8,8 @@ Binds 127.0.0.1 unless --host says otherwise. --port=0 picks a free port; with
 
 import asyncio
 import os
+import threading
+import time
 
 from absl import app, flags, logging
 
@@ -22,11 +24,26 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("version", 0, "Version of the initial weights.")
 flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
 flags.DEFINE_bool("log_steps", False, "Keep JetStream's per-step INFO logs (slow: several lines per step).")
+flags.DEFINE_bool("exit_with_parent", False, "Exit when the process that started this one dies "
+                  "(set by the trainer's pool, so a SIGKILLed trainer leaves no servers behind).")
 flags.mark_flag_as_required("checkpoint")
+
+
+def _exit_when_orphaned(interval_s: float = 0.5) -> None:
+  parent = os.getppid()
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(interval_s)
+    os._exit(0)
+
+  threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
 def main(argv):
   del argv
+  if FLAGS.exit_with_parent:
+    _exit_when_orphaned()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from copc_jax.models import hf_io
   from copc_jax.rollout.engine import CopcEngine

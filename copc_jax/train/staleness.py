@@ -37,10 +37,15 @@ class AdmissionControl:
     """Learner version of the update that will consume the `position`-th pending rollout (0-based)."""
     return self.learner_version + position // self.batch_size
 
-  def try_start(self) -> bool:
-    """Admit one more rollout starting with the current weights, if it will not be too stale."""
+  def try_start(self, weights_version: int | None = None) -> bool:
+    """Admit one more rollout if it will not be too stale when consumed.
+
+    `weights_version` is the version the rollout starts with (the servers'; by
+    default the learner's, as when weights are pushed after every update).
+    """
+    start = self.learner_version if weights_version is None else weights_version
     with self._lock:
-      if self.consumed_at(self.pending) - self.learner_version > self.max_staleness:
+      if self.consumed_at(self.pending) - start > self.max_staleness:
         return False
       self.pending += 1
       return True
@@ -77,6 +82,11 @@ class TrajectoryBuffer:
 
   def __len__(self) -> int:
     return len(self._items)
+
+  def items(self) -> list[tuple[object, int]]:
+    """(trajectory, oldest version) of everything buffered, oldest first (for checkpoints)."""
+    with self._cond:
+      return [(i.trajectory, i.oldest_version) for i in self._items]
 
   def put(self, trajectory, oldest_version: int) -> None:
     with self._cond:

@@ -80,3 +80,44 @@ class WarmStart:
   def step(self, batch: DemonstrationBatch) -> float:
     return float(self._step(self.actor, self.optimizer, batch.tokens, batch.attention_mask, batch.loss_mask))
 
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+  steps: int = 0                     # 0: no warm start
+  batch_size: int = 32
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+
+  def __post_init__(self):
+    if self.steps < 0 or self.batch_size < 1 or self.warmup_steps < 0:
+      raise ValueError(f"need steps >= 0, batch_size >= 1, warmup_steps >= 0; got {self.steps}, "
+                       f"{self.batch_size}, {self.warmup_steps}")
+    if self.learning_rate <= 0:
+      raise ValueError(f"learning_rate must be > 0; got {self.learning_rate}")
+
+
+def _round_up(n: int, multiple: int = 16) -> int:
+  return -(-n // multiple) * multiple
+
+
+def train_on_demonstrations(actor, tokenizer, demonstrations: list[dict], config: WarmStartConfig,
+                            seed: int = 0, log=None) -> list[float]:
+  """`config.steps` SFT steps on random minibatches of {"prompt", "response"}; returns the losses."""
+  bos = tokenizer.bos_token_id
+  lengths = [len(tokenizer.encode(d["prompt"] + d["response"], add_special_tokens=False)) + 2
+             for d in demonstrations]
+  length = _round_up(max(lengths))
+  trainer = WarmStart(actor, OptimizerConfig(learning_rate=config.learning_rate,
+                                             warmup_steps=config.warmup_steps))
+  rng = np.random.default_rng(seed)
+  batch_size = min(config.batch_size, len(demonstrations))
+  losses = []
+  for step in range(config.steps):
+    chosen = [demonstrations[i] for i in rng.choice(len(demonstrations), batch_size, replace=False)]
+    batch = encode_demonstrations(tokenizer, [d["prompt"] for d in chosen], [d["response"] for d in chosen],
+                                  length, bos_id=bos)
+    losses.append(trainer.step(batch))
+    if log is not None and (step + 1) % max(1, config.steps // 5) == 0:
+      log(f"warm start step {step + 1}/{config.steps}: loss {np.mean(losses[-20:]):.4f}")
+  return losses

@@ -1,0 +1,168 @@
+"""Tasks for the trainer: prompts, the tool, the reward, and demonstrations for the warm start.
+
+    task = make_task(TaskConfig(name="tool_arithmetic"), seed=0)
+    prompt = task.prompt(task.train[0])
+    output = task.tool(turn_text)                 # text of the turn that ended with task.tool_call_end
+    reward, correct = task.score(response_text, task.train[0])
+
+| name             | data                                   | tool                   | reward            |
+| ---------------- | -------------------------------------- | ---------------------- | ----------------- |
+| tool_arithmetic  | synthetic products (`synthetic_tasks`) | Python in the sandbox  | math-verify match |
+| knowledge_search | synthetic knowledge base               | BM25 over its passages | exact match       |
+| math             | JSONL/parquet (`train_path`, ...)      | Python in the sandbox  | math-verify match |
+| search           | JSONL/parquet + corpus JSONL           | BM25 (or `retriever_url`) | EM or F1       |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from collections.abc import Callable
+
+from copc_jax.envs import data, math_tool, search, synthetic_tasks
+
+TASKS = ("tool_arithmetic", "knowledge_search", "math", "search")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  name: str = "tool_arithmetic"
+  system_prompt: bool = True          # False: the bare question (tiny models learn the format from demos)
+  train_size: int = 512               # synthetic tasks
+  eval_size: int = 128
+  demo_tool_fraction: float = 1.0     # share of demonstrations that use the tool (the rest answer directly)
+  train_path: str = ""                # math / search
+  eval_path: str = ""
+  question_field: str = "question"
+  answer_field: str = "answer"
+  corpus_path: str = ""               # search: JSONL passages with a "contents" field
+  retriever_url: str = ""             # search: a running `copc_jax.envs.search` service instead
+  topk: int = 3
+  reward_metric: str = "em"           # search: "em" or "f1"
+  code_timeout_s: float = 5.0
+  code_error_penalty: float = 0.0
+
+  def __post_init__(self):
+    if self.name not in TASKS:
+      raise ValueError(f"name must be one of {TASKS}; got {self.name!r}")
+    if not 0 <= self.demo_tool_fraction <= 1:
+      raise ValueError(f"demo_tool_fraction must be in [0, 1]; got {self.demo_tool_fraction}")
+    if self.train_size < 1 or self.eval_size < 1:
+      raise ValueError(f"train_size and eval_size must be >= 1; got {self.train_size}, {self.eval_size}")
+    if self.reward_metric not in ("em", "f1"):
+      raise ValueError(f"reward_metric must be 'em' or 'f1'; got {self.reward_metric!r}")
+    if self.topk < 1:
+      raise ValueError(f"topk must be >= 1; got {self.topk}")
+
+
+@dataclasses.dataclass
+class Task:
+  name: str
+  train: list[dict]
+  eval: list[dict]
+  tool_call_end: str
+  prompt: Callable[[dict], str]
+  tool: Callable[[str], str]
+  score: Callable[[str, dict], tuple[float, bool]]       # (response, record) -> (reward, correct)
+  demonstration: Callable[[dict], str] | None = None     # record -> response; None: no warm start
+
+  def demonstrations(self, records: list[dict]) -> list[dict]:
+    if self.demonstration is None:
+      raise ValueError(f"task {self.name!r} has no demonstrations; set warm_start.steps = 0")
+    return [{"prompt": self.prompt(r), "response": self.demonstration(r)} for r in records]
+
+
+def _require_file(field: str, path: str) -> str:
+  if not path:
+    raise ValueError(f"config.task.{field} is required for this task (a JSONL or parquet file)")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config.task.{field}: {path} does not exist; download or prepare the data "
+                            f"there, or point config.task.{field} at it")
+  return path
+
+
+def _math_score(config: TaskConfig):
+  def score(response: str, record: dict) -> tuple[float, bool]:
+    result = math_tool.math_reward(response, record["answer"], code_error_penalty=config.code_error_penalty,
+                                   code_errors=math_tool.count_code_errors(response))
+    return result.reward, result.correct
+  return score
+
+
+def _code_tool(config: TaskConfig):
+  tool = math_tool.CodeTool(timeout_s=config.code_timeout_s)
+  return lambda turn_text: tool(turn_text)
+
+
+def _direct_answer(record: dict) -> str:
+  """A tool-free answer: the product of the operands rounded to 2 significant digits."""
+  a, b = record["operands"]
+  estimate = int(float(f"{a:.2g}") * float(f"{b:.2g}"))
+  return f"{math_tool.ANSWER_OPEN}{estimate}{math_tool.ANSWER_CLOSE}"
+
+
+def _tool_arithmetic(config: TaskConfig, seed: int) -> Task:
+  train, eval_ = synthetic_tasks.arithmetic_splits(seed, config.train_size, config.eval_size)
+  chooser = random.Random(seed + 7)
+  uses_tool = {r["question"]: chooser.random() < config.demo_tool_fraction for r in train}
+
+  def demonstration(record):
+    if uses_tool.get(record["question"], True):
+      return synthetic_tasks.arithmetic_demonstration(record)
+    return _direct_answer(record)
+
+  prompt = math_tool.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
+  return Task("tool_arithmetic", train, eval_, math_tool.CODE_CLOSE, lambda r: prompt(r["question"]),
+              _code_tool(config), _math_score(config), demonstration)
+
+
+def _search_score(config: TaskConfig):
+  def score(response: str, record: dict) -> tuple[float, bool]:
+    reward = search.search_reward(response, record["answer"], metric=config.reward_metric)
+    return reward, search.search_reward(response, record["answer"], metric="em") == 1.0
+  return score
+
+
+def _knowledge_search(config: TaskConfig, seed: int) -> Task:
+  kb, train, eval_ = synthetic_tasks.knowledge_splits(seed)
+  retriever = search.Retriever(kb.passages())
+  tool = search.SearchTool(retriever=retriever, topk=config.topk)
+  prompt = search.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
+  return Task("knowledge_search", train[:config.train_size], eval_[:config.eval_size], search.SEARCH_CLOSE,
+              lambda r: prompt(r["question"]), tool, _search_score(config),
+              lambda r: synthetic_tasks.search_demonstration(r, kb, retriever))
+
+
+def _records(config: TaskConfig) -> tuple[list[dict], list[dict]]:
+  fields = dict(question_field=config.question_field, answer_field=config.answer_field)
+  train = data.read_records(_require_file("train_path", config.train_path), **fields)
+  eval_ = data.read_records(_require_file("eval_path", config.eval_path), **fields)
+  return train, eval_[:config.eval_size]
+
+
+def _math(config: TaskConfig, seed: int) -> Task:
+  del seed
+  train, eval_ = _records(config)
+  prompt = math_tool.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
+  return Task("math", train, eval_, math_tool.CODE_CLOSE, lambda r: prompt(r["question"]),
+              _code_tool(config), _math_score(config))
+
+
+def _search(config: TaskConfig, seed: int) -> Task:
+  del seed
+  train, eval_ = _records(config)
+  if config.retriever_url:
+    tool = search.SearchTool(url=config.retriever_url, topk=config.topk)
+  else:
+    tool = search.SearchTool(retriever=search.Retriever.from_jsonl(
+        _require_file("corpus_path", config.corpus_path)), topk=config.topk)
+  prompt = search.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
+  return Task("search", train, eval_, search.SEARCH_CLOSE, lambda r: prompt(r["question"]), tool,
+              _search_score(config))
+
+
+def make_task(config: TaskConfig, seed: int = 0) -> Task:
+  builders = {"tool_arithmetic": _tool_arithmetic, "knowledge_search": _knowledge_search,
+              "math": _math, "search": _search}
+  return builders[config.name](config, seed)

@@ -1,0 +1,82 @@
+"""Per-step metrics: `metrics.jsonl` (one JSON object per step), TensorBoard, a progress bar.
+
+    logger = MetricsLogger(workdir, total_steps=100, start_step=restored_step)
+    logger.write({"step": 1, "reward_mean": 0.4, ...})
+    logger.close()
+
+On resume, rows past the restored step (written after the last checkpoint by the
+killed run) are dropped, so every step appears once, from the run that counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import tqdm
+from tensorboardX import SummaryWriter
+
+REQUIRED_KEYS = ("step", "reward_mean", "response_len_mean", "staleness_mean", "staleness_max",
+                 "mask_fraction", "clip_fraction", "ess", "value_loss", "grad_norm", "step_time_s",
+                 "rollout_wait_s", "train_s", "weight_sync_s")
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        break              # a line cut short by a kill: the rows after it cannot exist
+  return rows
+
+
+def _plain(value):
+  value = np.asarray(value).item() if not isinstance(value, int | float | str | bool) else value
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+class MetricsLogger:
+  def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, progress: bool = True):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    kept = [row for row in read_metrics(workdir) if row.get("step", 0) <= start_step]
+    with open(self.path + ".tmp", "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in kept)
+    os.replace(self.path + ".tmp", self.path)
+    self._file = open(self.path, "a")
+    self._tensorboard = SummaryWriter(os.path.join(workdir, "tb"))
+    self._bar = tqdm.tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                          file=sys.stderr, dynamic_ncols=True, disable=not progress)
+
+  def write(self, metrics: dict) -> dict:
+    row = {k: _plain(v) for k, v in metrics.items()}
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    step = row["step"]
+    for key, value in row.items():
+      if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+        self._tensorboard.add_scalar(key, value, step)
+    postfix = {"reward": f"{row.get('reward_mean', 0):.3f}", "stale": f"{row.get('staleness_mean', 0):.2f}"}
+    if row.get("eval_accuracy") is not None:
+      postfix["eval"] = f"{row['eval_accuracy']:.3f}"
+    self._bar.set_postfix(postfix, refresh=False)
+    self._bar.update(step - self._bar.n)
+    return row
+
+  def note(self, message: str) -> None:
+    """A line above the progress bar."""
+    self._bar.write(message, file=sys.stderr)
+
+  def close(self) -> None:
+    self._bar.close()
+    self._tensorboard.close()
+    self._file.close()

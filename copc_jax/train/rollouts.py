@@ -1,0 +1,207 @@
+"""Rollouts for the trainer: one task episode over the server pool, collected in lock-step or in the background.
+
+    runner = EpisodeRunner(pool.generate, task, tokenizer, rollout_config)
+    trajectories = collect(runner, records)                      # sync and lag modes
+    collector = AsyncCollector(runner, prompts, admission, buffer, workers=16,
+                               weights_version=lambda: published_version)
+    collector.start()                                            # async mode
+
+`AsyncCollector` starts an episode only when the admission control allows it
+(against the version the servers hold now), and keeps the prompts of episodes
+in flight so a checkpoint can re-queue them: nothing taken from the data
+iterator is lost by a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from copc_jax.envs.tasks import Task
+from copc_jax.rollout.agent import GenerateFn, Trajectory, run_episode
+from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  num_servers: int = 2                  # local JetStream servers started as subprocesses
+  addresses: tuple[str, ...] = ()       # or remote servers (host:port); then num_servers is ignored
+  slots: int = 8                        # concurrent generations per server
+  max_prefill_length: int = 64          # prompt bucket (every turn's context must fit)
+  max_length: int = 128                 # context + generated tokens
+  max_in_flight: int = 8                # requests per server at a time
+  max_turns: int = 3
+  max_tokens_per_turn: int = 48
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  workers: int = 0                      # concurrent episodes; 0: max_in_flight × servers
+  ready_timeout_s: float = 300.0
+
+  def __post_init__(self):
+    if not self.addresses and self.num_servers < 1:
+      raise ValueError(f"num_servers must be >= 1 (or give addresses); got {self.num_servers}")
+    for name in ("slots", "max_in_flight", "max_turns", "max_tokens_per_turn"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+    if self.max_length <= self.max_prefill_length:
+      raise ValueError(f"max_length ({self.max_length}) must exceed max_prefill_length "
+                       f"({self.max_prefill_length})")
+    if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+      raise ValueError(f"need temperature > 0, 0 < top_p <= 1, top_k >= 0; got {self.temperature}, "
+                       f"{self.top_p}, {self.top_k}")
+    if self.ready_timeout_s <= 0:
+      raise ValueError(f"ready_timeout_s must be > 0; got {self.ready_timeout_s}")
+
+  @property
+  def concurrency(self) -> int:
+    return self.workers or self.max_in_flight * max(len(self.addresses) or self.num_servers, 1)
+
+
+@dataclasses.dataclass
+class Episode:
+  """A finished episode: the trajectory, its task record and whether the answer was right."""
+
+  trajectory: Trajectory
+  record: dict
+  correct: bool
+
+  @property
+  def oldest_version(self) -> int:
+    return min((v for v, m in zip(self.trajectory.versions, self.trajectory.mask, strict=True) if m),
+               default=-1)
+
+  def to_json(self) -> dict:
+    return {"trajectory": dataclasses.asdict(self.trajectory), "record": self.record, "correct": self.correct}
+
+  @classmethod
+  def from_json(cls, payload: dict) -> Episode:
+    return cls(Trajectory(**payload["trajectory"]), payload["record"], payload["correct"])
+
+
+class EpisodeRunner:
+  """Runs task episodes through a generate function (the pool's); thread-safe."""
+
+  def __init__(self, generate: GenerateFn, task: Task, tokenizer, config: RolloutConfig):
+    self.generate, self.task, self.tokenizer, self.config = generate, task, tokenizer, config
+    self.tool_call_end = tokenizer.encode(task.tool_call_end, add_special_tokens=False)
+
+  def prompt_ids(self, record: dict) -> list[int]:
+    bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+    return bos + self.tokenizer.encode(self.task.prompt(record), add_special_tokens=False)
+
+  def fits(self, record: dict) -> bool:
+    return len(self.prompt_ids(record)) <= self.config.max_prefill_length
+
+  def _tool(self, turn_ids: list[int]) -> list[int]:
+    output = self.task.tool(self.tokenizer.decode(turn_ids, skip_special_tokens=True))
+    return self.tokenizer.encode(output, add_special_tokens=False)
+
+  def run(self, record: dict, *, greedy: bool = False) -> Episode:
+    c = self.config
+    sampling = dict(temperature=1.0, top_p=1.0, top_k=1) if greedy else dict(
+        temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
+    trajectory = run_episode(self.generate, self.prompt_ids(record), tool=self._tool,
+                             tool_call_end=self.tool_call_end, max_turns=c.max_turns,
+                             max_tokens_per_turn=c.max_tokens_per_turn,
+                             max_prompt_length=c.max_prefill_length, max_length=c.max_length, **sampling)
+    response = self.tokenizer.decode(trajectory.token_ids, skip_special_tokens=True)
+    trajectory.reward, correct = self.task.score(response, record)
+    return Episode(trajectory, record, bool(correct))
+
+
+def collect(runner: EpisodeRunner, records: list[dict], workers: int, *, greedy: bool = False
+            ) -> list[Episode]:
+  """Run one episode per record concurrently; results in record order."""
+  with ThreadPoolExecutor(max(1, min(workers, len(records)))) as executor:
+    return list(executor.map(lambda r: runner.run(r, greedy=greedy), records))
+
+
+class PromptSource:
+  """Records from the data iterator, after any re-queued ones; thread-safe and checkpointable."""
+
+  def __init__(self, iterator, requeued: list[dict] | None = None):
+    self._iterator = iterator
+    self._requeued = list(requeued or [])
+    self._lock = threading.Lock()
+
+  def next(self) -> dict:
+    with self._lock:
+      return self._requeued.pop(0) if self._requeued else next(self._iterator)
+
+  def take(self, n: int) -> list[dict]:
+    return [self.next() for _ in range(n)]
+
+  def state(self, in_flight: list[dict] = ()) -> dict:
+    """The iterator position and the records to run first on resume (`in_flight` ones included)."""
+    with self._lock:
+      return {"iterator": self._iterator.get_state(), "requeued": list(in_flight) + self._requeued}
+
+
+class AsyncCollector:
+  """Worker threads that keep episodes running under admission control, into a `TrajectoryBuffer`."""
+
+  def __init__(self, runner: EpisodeRunner, prompts: PromptSource, admission: AdmissionControl,
+               buffer: TrajectoryBuffer, *, workers: int, weights_version):
+    self.runner, self.prompts, self.admission, self.buffer = runner, prompts, admission, buffer
+    self.weights_version = weights_version       # () -> version the servers hold now
+    self._workers = workers
+    self._lock = threading.Lock()                # data position, in-flight set and buffer move together
+    self._in_flight: dict[int, dict] = {}
+    self._next_id = 0
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self.error: BaseException | None = None
+
+  def start(self) -> None:
+    self._threads = [threading.Thread(target=self._work, daemon=True, name=f"rollout-{i}")
+                     for i in range(self._workers)]
+    for thread in self._threads:
+      thread.start()
+
+  def _work(self) -> None:
+    while not self._stop.is_set():
+      if not self.admission.try_start(self.weights_version()):
+        self._stop.wait(0.02)
+        continue
+      with self._lock:
+        episode_id, self._next_id = self._next_id, self._next_id + 1
+        record = self.prompts.next()
+        self._in_flight[episode_id] = record
+      try:
+        episode = self.runner.run(record)
+      except BaseException as err:  # noqa: BLE001 - handed to the trainer, which saves and stops
+        if not self._stop.is_set():
+          self.error = self.error or err
+          self._stop.set()
+        return
+      with self._lock:
+        self.buffer.put(episode, episode.oldest_version)
+        del self._in_flight[episode_id]
+
+  def take(self, n: int, learner_version: int, timeout_s: float = 1.0):
+    """(episodes, staleness) of `n` buffered episodes, waiting while the workers are healthy."""
+    while True:
+      if self.error is not None:
+        raise self.error
+      dropped_before = self.buffer.dropped
+      result = self.buffer.take(n, learner_version, timeout_s=timeout_s)
+      self.admission.on_dropped(self.buffer.dropped - dropped_before)
+      if result is not None:
+        return result
+
+  def state(self) -> dict:
+    """Checkpointable: data position (in-flight prompts re-queued) and the buffered episodes."""
+    with self._lock:
+      return {"data": self.prompts.state(list(self._in_flight.values())),
+              "buffer": [(episode.to_json(), oldest) for episode, oldest in self.buffer.items()]}
+
+  def request_stop(self) -> None:
+    """Workers start no new episode; those in flight end when the pool closes."""
+    self._stop.set()
+
+  def stop(self) -> None:
+    self._stop.set()
+    for thread in self._threads:
+      thread.join(timeout=60)

@@ -1,0 +1,135 @@
+"""The trainer's bookkeeping with the in-process `ScriptedPool` (the real servers: test_trainer_e2e.py)."""
+
+import json
+
+import pytest
+
+from configs import common
+from copc_jax import config as config_lib
+from copc_jax import presets
+from copc_jax.models import tiny
+from copc_jax.train import metrics, trainer
+
+from scripted_pool import ScriptedPool
+
+
+def make_config(preset="copc", **sections):
+  raw = common.train_config(preset)
+  raw.task.system_prompt = False
+  raw.task.train_size, raw.task.eval_size = 64, 8
+  raw.rollout.update(dict(max_tokens_per_turn=8, max_turns=2, max_prefill_length=64, max_length=96,
+                          num_servers=1, max_in_flight=4))
+  raw.trainer.update(dict(steps=4, batch_size=8, checkpoint_every=2, eval_every=2, progress_bar=False,
+                          actor_learning_rate=1e-3))
+  for section, values in sections.items():
+    raw[section].update(values)
+  return config_lib.from_config_dict(raw)
+
+
+def scripted_pool_factory(pools, **kwargs):
+  tokenizer = tiny.make_tokenizer()
+  end = tokenizer.encode("</code>", add_special_tokens=False)
+
+  def factory():
+    pool = ScriptedPool(len(tokenizer), tool_call_end=end, seed=len(pools), **kwargs)
+    pools.append(pool)
+    return pool
+  return factory
+
+
+def train(config, workdir, **kwargs):
+  pools = []
+  summary = trainer.Trainer(config, str(workdir), pool_factory=scripted_pool_factory(pools, **kwargs)).run()
+  return summary, pools, metrics.read_metrics(str(workdir))
+
+
+def test_sync_mode_trains_on_fresh_weights_and_logs_every_metric(tmp_path):
+  summary, (pool,), rows = train(make_config(trainer=dict(mode="sync")), tmp_path)
+  steps = [r for r in rows if r["step"] >= 1]
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+  for row in steps:
+    assert set(metrics.REQUIRED_KEYS) <= set(row), set(metrics.REQUIRED_KEYS) - set(row)
+    assert row["staleness_max"] == 0 and row["weights_version"] == row["step"]
+  assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 2, 4]
+  assert pool.pushes == [0, 1, 2, 3, 4]
+  assert summary["steps"] == 4 and (tmp_path / "summary.json").exists()
+  assert list((tmp_path / "tb").iterdir())                          # TensorBoard event file
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_lag_mode_trains_on_weights_exactly_lag_versions_old(tmp_path, lag):
+  _, (pool,), rows = train(make_config(trainer=dict(mode="lag", lag=lag, steps=6, eval_every=0)), tmp_path)
+  for row in rows[1:]:
+    expected = min(row["step"] - 1, lag)
+    assert row["staleness_max"] == expected and row["staleness_mean"] == expected
+  assert pool.pushes == sorted(set(pool.pushes))
+
+
+def test_async_mode_respects_the_staleness_bound(tmp_path):
+  config = make_config(trainer=dict(mode="async", max_staleness=2, steps=8, eval_every=0))
+  _, _, rows = train(config, tmp_path, delay_s=0.01)
+  assert max(r["staleness_max"] for r in rows[1:]) <= 2
+  assert max(r["staleness_max"] for r in rows[1:]) >= 1                # it did overlap
+  assert all("buffer_size" in r for r in rows[1:])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "lag"])
+@pytest.mark.parametrize("preset", sorted(presets.PRESETS))
+def test_every_preset_runs_in_every_mode(tmp_path, preset, mode):
+  config = make_config(preset, trainer=dict(mode=mode, lag=1, steps=2, eval_every=0, checkpoint_every=2))
+  _, _, rows = train(config, tmp_path)
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert all(r["value_loss"] is not None and r["grad_norm"] is not None for r in rows[1:])
+
+
+def test_resume_continues_the_version_numbering(tmp_path):
+  config = make_config(trainer=dict(mode="async", max_staleness=1, steps=4, checkpoint_every=2))
+  train(config, tmp_path)
+  longer = make_config(trainer=dict(mode="async", max_staleness=1, steps=7, checkpoint_every=2))
+  _, (pool,), rows = train(longer, tmp_path)
+  assert pool.pushes[0] == 4                                         # servers get the restored version
+  assert [r["step"] for r in rows] == list(range(8))
+  assert max(r["staleness_max"] for r in rows[1:]) <= 1
+
+
+class FailingPool(ScriptedPool):
+  def __init__(self, *args, fail_after: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.calls, self.fail_after = 0, fail_after
+
+  def generate(self, *args, **kwargs):
+    self.calls += 1
+    if self.calls > self.fail_after:
+      from copc_jax.rollout.pool import PoolExhausted
+      raise PoolExhausted("every remote rollout server is unreachable")
+    return super().generate(*args, **kwargs)
+
+
+def test_a_dead_pool_stops_the_run_with_a_checkpoint_and_advice(tmp_path):
+  config = make_config(trainer=dict(mode="async", max_staleness=2, steps=20, checkpoint_every=100))
+  tokenizer = tiny.make_tokenizer()
+  make = lambda: FailingPool(len(tokenizer), fail_after=60)
+  with pytest.raises(trainer.TrainingError) as info:
+    trainer.Trainer(config, str(tmp_path), pool_factory=make).run()
+  message = str(info.value)
+  assert "PoolExhausted" in message and "Every rollout server is down" in message
+  assert "rerun the same command to resume" in message
+  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps and steps[-1] >= 1                                      # saved where it stopped
+  record = json.loads((tmp_path / "checkpoints" / str(steps[-1]) / "record" / "metadata").read_text())
+  assert record["step"] == steps[-1] and "buffer" in record and "data" in record
+  _, _, rows = train(config, tmp_path)                                 # a healthy pool: resumes
+  assert [r["step"] for r in rows] == list(range(21))
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+  config = make_config(model=dict(checkpoint=str(tmp_path / "nowhere")))
+  with pytest.raises(FileNotFoundError, match="config.model.checkpoint: no Hugging Face checkpoint"):
+    trainer.Trainer(config, str(tmp_path / "run"))
+
+
+def test_bad_trainer_settings_fail_at_load_time():
+  with pytest.raises(ValueError, match="config.trainer.mode must be one of"):
+    make_config(trainer=dict(mode="semi"))
+  with pytest.raises(ValueError, match=r"max_staleness \(0\) must be >= sync_every - 1"):
+    make_config(trainer=dict(mode="async", max_staleness=0, sync_every=3))
