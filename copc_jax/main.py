@@ -15,6 +15,8 @@ from copc_jax.train import trainer
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for outputs (metrics, checkpoints).")
+flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first: one process per host "
+                  "of a multi-host slice (on TPU VMs it finds the coordinator itself).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 JOBS = {"train": trainer.run, "gradient_check": synthetic.run}
@@ -26,6 +28,8 @@ def main(argv):
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)     # orbax and JetStream log every save and step at INFO
   config = config_lib.from_config_dict(FLAGS.config)
+  if FLAGS.distributed:
+    jax.distributed.initialize()
   logging.info("python %s, jax %s, flax %s, optax %s", platform.python_version(),
                jax.__version__, flax.__version__, optax.__version__)
   logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(),

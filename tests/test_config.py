@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from configs import default
+from configs import gradient_check as default
 from copc_jax import config as config_lib
 from copc_jax import presets
 

@@ -148,8 +148,21 @@ class RolloutPool:
   def update_weights(self, path: str, version: int) -> None:
     """Push a `save_pretrained` directory to every server as `version` (servers restarted later get it too)."""
     self._latest_weights = (path, version)
+
+    def push(server: _Server) -> None:
+      if not server.healthy:
+        return
+      try:
+        server.client.update_weights(path, version)
+      except grpc.RpcError as err:
+        if err.code() not in RETRYABLE:
+          raise
+        self._handle_failure(server)    # a restarted local server gets these weights as it starts
+
     with ThreadPoolExecutor(len(self.servers)) as executor:
-      list(executor.map(lambda s: s.client.update_weights(path, version), self.servers))
+      list(executor.map(push, self.servers))
+    if not any(s.healthy for s in self.servers):
+      raise PoolExhausted(f"no rollout server took weights version {version}: every one is unreachable")
 
   def status(self) -> list[dict]:
     return [dict(address=s.address, healthy=s.healthy, in_flight=s.in_flight, restarts=s.restarts,

@@ -85,7 +85,8 @@ class TrainerConfig:
         raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
     if self.mode == "async" and self.max_staleness < self.sync_every - 1:
       raise ValueError(f"max_staleness ({self.max_staleness}) must be >= sync_every - 1 "
-                       f"({self.sync_every - 1}): weights pushed every {self.sync_every} updates are that stale")
+                       f"({self.sync_every - 1}): weights pushed every {self.sync_every} updates are that "
+                       f"stale")
     if self.batch_size % self.num_minibatches:
       raise ValueError(f"batch_size ({self.batch_size}) must be divisible by num_minibatches "
                        f"({self.num_minibatches})")

@@ -1,5 +1,6 @@
 
 import pytest
+from scripted_pool import ScriptedPool
 
 from copc_jax.envs import data
 from copc_jax.envs.tasks import TaskConfig, make_task
@@ -7,8 +8,6 @@ from copc_jax.models import tiny
 from copc_jax.rollout.client import Generation
 from copc_jax.train import rollouts
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
-
-from scripted_pool import ScriptedPool
 
 
 @pytest.fixture(scope="module")

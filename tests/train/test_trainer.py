@@ -3,14 +3,13 @@
 import json
 
 import pytest
+from scripted_pool import ScriptedPool
 
 from configs import common
 from copc_jax import config as config_lib
 from copc_jax import presets
 from copc_jax.models import tiny
 from copc_jax.train import metrics, trainer
-
-from scripted_pool import ScriptedPool
 
 
 def make_config(preset="copc", **sections):

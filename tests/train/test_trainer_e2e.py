@@ -1,0 +1,106 @@
+"""The trainer against real JetStream servers: the main command killed and resumed, failures on the way."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from configs import common
+from copc_jax import config as config_lib
+from copc_jax.rollout.pool import wait_until
+from copc_jax.rollout.process import ServerProcess
+from copc_jax.train import metrics, trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["--config.warm_start.steps=30", "--config.trainer.batch_size=8", "--config.trainer.max_staleness=2",
+         "--config.trainer.checkpoint_every=1", "--config.trainer.eval_every=4", "--config.task.eval_size=16",
+         "--config.rollout.num_servers=1", "--config.rollout.slots=4", "--config.rollout.max_in_flight=4",
+         "--config.trainer.progress_bar=False"]
+
+
+def main_command(workdir, steps):
+  return [sys.executable, "-m", "copc_jax.main", "--config=configs/default.py", f"--workdir={workdir}",
+          f"--config.trainer.steps={steps}", *SMALL]
+
+
+def servers_of(workdir) -> list[int]:
+  out = subprocess.run(["pgrep", "-f", f"copc_jax.rollout.serve --checkpoint={workdir}"], capture_output=True,
+                       text=True).stdout
+  return [int(pid) for pid in out.split()]
+
+
+@pytest.mark.slow
+def test_the_main_command_killed_at_a_random_moment_resumes(tmp_path):
+  workdir = tmp_path / "run"
+  env = {**os.environ, "XLA_FLAGS": ""}
+  first = subprocess.Popen(main_command(workdir, 8), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+  assert wait_until(lambda: len(metrics.read_metrics(str(workdir))) >= 4 or first.poll() is not None,
+                    timeout_s=400, interval_s=0.05), "no training step within 400 s"
+  assert first.poll() is None, first.stderr.read()[-3000:]
+  time.sleep(random.uniform(0.0, 1.5))                    # somewhere in a step, a push or a checkpoint
+  first.send_signal(signal.SIGKILL)
+  first.wait()
+  assert wait_until(lambda: not servers_of(workdir), timeout_s=15), "the servers outlived the trainer"
+  killed_at = max(r["step"] for r in metrics.read_metrics(str(workdir)))
+
+  second = subprocess.run(main_command(workdir, 8), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "resumed from step" in second.stderr
+  resumed_from = int(second.stderr.split("resumed from step ")[1].split()[0])
+  assert 1 <= resumed_from <= killed_at
+  rows = metrics.read_metrics(str(workdir))
+  assert [r["step"] for r in rows] == list(range(9))      # every step once, numbering continued
+  assert all(r["weights_version"] == r["step"] for r in rows[1:])
+  assert max(r["staleness_max"] for r in rows[1:]) <= 2
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["steps"] == 8 and summary["final_eval_accuracy"] is not None
+  assert not servers_of(workdir)
+
+
+def small_config(**sections):
+  raw = common.train_config("copc")
+  raw.task.system_prompt = False
+  raw.task.eval_size = 8
+  raw.rollout.update(dict(num_servers=1, slots=4, max_in_flight=4, max_tokens_per_turn=16))
+  raw.trainer.update(dict(batch_size=8, steps=40, eval_every=0, checkpoint_every=100, progress_bar=False))
+  for section, values in sections.items():
+    raw[section].update(values)
+  return config_lib.from_config_dict(raw)
+
+
+def test_servers_that_never_become_ready_end_the_run_with_advice(tmp_path):
+  config = small_config(rollout=dict(ready_timeout_s=0.5))
+  with pytest.raises(trainer.TrainingError, match=r"did not start(.|\n)*ready_timeout_s \(0.5\)"):
+    trainer.Trainer(config, str(tmp_path)).run()
+  assert not servers_of(tmp_path)
+
+
+def test_a_remote_pool_that_dies_saves_and_says_so(tmp_path):
+  from copc_jax.models import tiny
+
+  tiny.make_tiny_checkpoint(str(tmp_path / "model"))
+  server = ServerProcess(str(tmp_path / "model"), slots=4, max_prefill_length=64, max_length=128, version=-1)
+  address = server.wait_ready()
+  config = small_config(model=dict(checkpoint=str(tmp_path / "model")), rollout=dict(addresses=(address,)))
+  workdir = tmp_path / "run"
+  killer = threading.Thread(target=lambda: wait_until(
+      lambda: len(metrics.read_metrics(str(workdir))) >= 3, timeout_s=300) and server.kill())
+  killer.start()
+  try:
+    with pytest.raises(trainer.TrainingError) as info:
+      trainer.Trainer(config, str(workdir)).run()
+  finally:
+    killer.join()
+    server.stop()
+  message = str(info.value)
+  assert "Every rollout server is down" in message and "rerun the same command" in message
+  saved = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+  assert max(saved) >= 2

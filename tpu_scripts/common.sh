@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Shared by the launch scripts: settings (environment variables), --dry-run, and helpers.
+# Every script prints each command before running it; with --dry-run it only prints.
+
+set -euo pipefail
+
+PROJECT="${PROJECT:-your-gcp-project}"
+ZONE="${ZONE:-us-east5-a}"
+RUNTIME_VERSION="${RUNTIME_VERSION:-v2-alpha-tpuv5}"
+LEARNER_TPU="${LEARNER_TPU:-copc-learner}"          # a multi-host slice: one learner process per host
+LEARNER_TYPE="${LEARNER_TYPE:-v5p-32}"
+SERVER_TPU_PREFIX="${SERVER_TPU_PREFIX:-copc-server}"  # single-host VMs, one JetStream server each
+SERVER_TYPE="${SERVER_TYPE:-v5litepod-8}"
+NUM_SERVERS="${NUM_SERVERS:-2}"
+SERVER_PORT="${SERVER_PORT:-9000}"
+REPO_URL="${REPO_URL:-https://github.com/copc-jax/copc_jax.git}"
+REPO_REF="${REPO_REF:-main}"
+REMOTE_DIR="${REMOTE_DIR:-copc_jax}"
+CONFIG="${CONFIG:-configs/qwen2_5_math.py:7b}"
+CHECKPOINT="${CHECKPOINT:-/mnt/models/Qwen2.5-7B}"     # a Hugging Face directory on every host
+WORKDIR="${WORKDIR:-/mnt/runs/copc_qwen2_5_7b_math}"    # shared by the learner hosts and the servers
+
+DRY_RUN=0
+
+usage() {
+  sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'
+}
+
+parse_flags() {
+  for arg in "$@"; do
+    case "$arg" in
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help) usage; exit 0 ;;
+      *) echo "unknown argument: $arg (allowed: --dry-run, --help)" >&2; exit 2 ;;
+    esac
+  done
+  if [[ "$DRY_RUN" == 0 ]] && ! command -v gcloud >/dev/null; then
+    echo "gcloud is not installed; install the Google Cloud CLI or use --dry-run" >&2
+    exit 1
+  fi
+}
+
+# Print a command, then run it unless --dry-run.
+run() {
+  echo "+ $*"
+  if [[ "$DRY_RUN" == 0 ]]; then
+    "$@"
+  fi
+}
+
+server_name() {
+  echo "${SERVER_TPU_PREFIX}-$1"
+}
+
+# Run a shell command on one worker (or "all") of a TPU VM.
+on_tpu() {
+  local name="$1" worker="$2" command="$3"
+  run gcloud compute tpus tpu-vm ssh "$name" --project="$PROJECT" --zone="$ZONE" --worker="$worker" \
+    --command="$command"
+}
+
+# Internal IP address of a single-host TPU VM (a placeholder in --dry-run).
+internal_ip() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    echo "IP_OF_$1"
+  else
+    gcloud compute tpus tpu-vm describe "$1" --project="$PROJECT" --zone="$ZONE" \
+      --format='value(networkEndpoints[0].ipAddress)'
+  fi
+}
