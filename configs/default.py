@@ -1,6 +1,6 @@
 """Default job: asynchronous COPC on synthetic tool arithmetic, tiny model, two local JetStream servers.
 
-Run (about 10 minutes on 2 CPU cores, warm start included):
+Run (about 5 minutes on 2 CPU cores, warm start included):
   python -m copc_jax.main --config=configs/default.py --workdir=/tmp/copc_default
 Another preset: `configs/default.py:async_ppo` (any name in copc_jax/presets.py). Another mode:
 `--config.trainer.mode=sync`, or `--config.trainer.mode=lag --config.trainer.lag=16`.

@@ -11,6 +11,7 @@ code execution that failed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -68,6 +69,8 @@ def extract_answer(response: str) -> str | None:
 
 def _verify(prediction: str, ground_truth: str, timeout_s: int | None) -> bool:
   from math_verify import parse, verify
+  if timeout_s is None:   # the worker process is bounded from outside; math-verify warns about it otherwise
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
   gold = parse(f"${ground_truth}$" if "$" not in ground_truth else ground_truth,
                parsing_timeout=timeout_s)
   pred = parse(f"${prediction}$" if "$" not in prediction else prediction, parsing_timeout=timeout_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -25,7 +26,8 @@ class Checkpointer:
 
   def save(self, step: int, learner_state, rng, record: dict) -> None:
     """Write step `step` and wait until it is on disk."""
-    pytree = {"learner": nnx.to_pure_dict(learner_state), "rng": jax.random.key_data(rng)}
+    # The RNG as a host array: the same on every process, saved once.
+    pytree = {"learner": nnx.to_pure_dict(learner_state), "rng": np.asarray(jax.random.key_data(rng))}
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(pytree), record=ocp.args.JsonSave(record)))
     self._manager.wait_until_finished()
@@ -43,12 +45,13 @@ class Checkpointer:
       return None
     abstract = {"learner": jax.tree.map(ocp.utils.to_shape_dtype_struct,
                                         nnx.to_pure_dict(learner_state_like)),
-                "rng": ocp.utils.to_shape_dtype_struct(jax.random.key_data(rng_like))}
+                "rng": np.zeros_like(np.asarray(jax.random.key_data(rng_like)))}
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
     learner_state = learner_state_like
     nnx.replace_by_pure_dict(learner_state, restored["state"]["learner"])
-    rng = jax.random.wrap_key_data(restored["state"]["rng"], impl=jax.random.key_impl(rng_like))
+    rng = jax.random.wrap_key_data(jax.numpy.asarray(restored["state"]["rng"]),
+                                   impl=jax.random.key_impl(rng_like))
     return step, learner_state, rng, dict(restored["record"])
 
   def close(self) -> None:

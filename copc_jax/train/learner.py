@@ -21,6 +21,7 @@ from flax import nnx
 
 from copc_jax import estimators, losses, sharding
 from copc_jax.presets import EstimatorConfig
+from copc_jax.train import multihost
 from copc_jax.train.batch import TrajectoryBatch
 
 
@@ -184,11 +185,16 @@ class Learner:
   def critic(self):
     return nnx.merge(self.graphdef, self.state)[1]
 
-  def train_step(self, batch: TrajectoryBatch) -> dict:
-    if batch.tokens.shape[0] % self.config.num_minibatches:
-      raise ValueError(f"batch size {batch.tokens.shape[0]} is not divisible by num_minibatches "
-                       f"{self.config.num_minibatches}")
-    if self.mesh is not None:
+  def train_step(self, batch: TrajectoryBatch, *, process_local: bool = False) -> dict:
+    """One update on `batch`: the global batch, or with `process_local` this process's rows of it."""
+    rows = batch.tokens.shape[0] * (jax.process_count() if process_local else 1)
+    if rows % self.config.num_minibatches:
+      raise ValueError(f"batch size {rows} is not divisible by num_minibatches {self.config.num_minibatches}")
+    if process_local and jax.process_count() > 1:
+      if self.mesh is None:
+        raise ValueError("a batch spread over processes needs a mesh")
+      batch = multihost.global_batch(batch, self._batch_sharding)
+    elif self.mesh is not None:
       batch = jax.device_put(batch, self._batch_sharding)
     self.rng, step_rng = jax.random.split(self.rng)
     self.state, metrics = self._step(self.state, batch, step_rng)

@@ -12,6 +12,10 @@ Modes (`config.trainer.mode`), with version v = number of learner updates so far
 - `lag`: the batch of update v is generated with the weights of version
   max(0, v − lag), exactly: controlled staleness for sweeps up to 64 steps.
 
+With several learner processes (`--distributed`), each collects its share of
+every batch from its shard of the prompts; process 0 writes files and metrics and
+pushes weights to shared servers (`train/multihost.py`).
+
 A run is resumable at any moment: the learner state, RNG, data position, the
 episodes buffered and the prompts in flight are checkpointed with orbax every
 `checkpoint_every` updates and when the run stops on an error; the same command
@@ -24,7 +28,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import jax
@@ -35,10 +41,10 @@ from copc_jax import sharding
 from copc_jax.envs import data
 from copc_jax.envs.tasks import make_task
 from copc_jax.models import hf_io, tiny
-from copc_jax.models.decoder import ValueModel
+from copc_jax.models.decoder import Decoder, ValueModel
 from copc_jax.rollout.agent import to_batch
 from copc_jax.rollout.pool import RolloutPool
-from copc_jax.train import checkpoint, rollouts, warm_start
+from copc_jax.train import checkpoint, multihost, rollouts, warm_start
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
 from copc_jax.train.metrics import MetricsLogger, read_metrics
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
@@ -95,8 +101,25 @@ class TrainerConfig:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
 
 
+class NullLogger:
+  """Metrics of processes other than the chief go nowhere."""
+
+  def write(self, metrics: dict) -> dict:
+    return metrics
+
+  def note(self, message: str) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
 class TrainingError(RuntimeError):
   """The run stopped; the message says what happened, what was saved and what to fix."""
+
+
+def _raise_keyboard_interrupt(signum, frame):
+  raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _atomic_dir(path: str, write) -> str:
@@ -110,7 +133,8 @@ def _atomic_dir(path: str, write) -> str:
 
 
 def _say(message: str) -> None:
-  print(message, file=sys.stderr, flush=True)
+  if multihost.is_chief():
+    print(message, file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -122,6 +146,11 @@ class Trainer:
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.task = make_task(config.task, config.seed)
+    self.processes = jax.process_count()
+    if self.cfg.batch_size % self.processes:
+      raise ValueError(f"config.trainer.batch_size ({self.cfg.batch_size}) must be divisible by the "
+                       f"{self.processes} learner processes")
+    self.local_batch_size = self.cfg.batch_size // self.processes
     self.base_checkpoint = self._base_checkpoint()
     actor, self.tokenizer = hf_io.from_pretrained(self.base_checkpoint)
     self.checkpointer = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"))
@@ -143,7 +172,13 @@ class Trainer:
     if self.resuming:
       self.step, self.learner.state, self.learner.rng, self.record = self.checkpointer.restore_latest(
           self.learner.state, self.learner.rng)
+      saved_processes = len(self.record.get("processes", []))
+      if saved_processes != self.processes:
+        raise ValueError(f"the checkpoint in {self.checkpointer.directory} was written by {saved_processes} "
+                         f"learner processes; resume it with the same number (this run has {self.processes})")
     self.server_version: int | None = None
+    # Local servers belong to each process; shared (remote) servers are driven by the chief.
+    self.pushes_weights = not config.rollout.addresses or multihost.is_chief()
     self.weight_sync_s = 0.0
 
   # --- setup ----------------------------------------------------------------------
@@ -152,9 +187,10 @@ class Trainer:
     source = self.config.model.checkpoint
     if source == "tiny":
       path = os.path.join(self.workdir, "base")
-      if not os.path.exists(path):
+      if multihost.is_chief() and not os.path.exists(path):
         _atomic_dir(path, lambda tmp: tiny.make_tiny_checkpoint(tmp, self.config.model.tiny_arch,
                                                                  seed=self.config.seed))
+      multihost.barrier("base checkpoint")
       return path
     if not os.path.isfile(os.path.join(source, "config.json")):
       raise FileNotFoundError(f"config.model.checkpoint: no Hugging Face checkpoint at {source!r} (expected "
@@ -174,7 +210,11 @@ class Trainer:
     """SFT on the task's demonstrations; demonstrations and the result are cached in the workdir."""
     directory = os.path.join(self.workdir, "warm_start")
     model_dir = os.path.join(directory, "model")
+    if not multihost.is_chief():
+      multihost.barrier("warm start")
+      return hf_io.from_pretrained(model_dir, load_tokenizer=False)[0]
     if os.path.exists(model_dir):
+      multihost.barrier("warm start")
       _say(f"warm start: reusing {model_dir}")
       return hf_io.from_pretrained(model_dir, load_tokenizer=False)[0]
     os.makedirs(directory, exist_ok=True)
@@ -192,6 +232,7 @@ class Trainer:
     _say(f"warm start: {len(self.warm_start_losses)} steps in {time.time() - start:.1f} s, final loss "
          f"{np.mean(self.warm_start_losses[-20:]):.4f}")
     _atomic_dir(model_dir, lambda tmp: hf_io.save_pretrained(actor, tmp, tokenizer=self.tokenizer))
+    multihost.barrier("warm start")
     return actor
 
   def _start_pool(self) -> RolloutPool:
@@ -220,24 +261,36 @@ class Trainer:
     return os.path.join(self.workdir, "weights", f"v{version}")
 
   def _save_weights(self, version: int) -> None:
-    _atomic_dir(self._weights_dir(version), lambda tmp: hf_io.save_pretrained(self.learner.actor, tmp))
+    """All processes call this (the weights may be sharded across them); the chief writes."""
+    actor = self.learner.actor
+    if self.processes > 1:    # a separate host copy: the learner's own arrays stay where they are
+      params = multihost.fully_replicated_host_copy(nnx.state(actor, nnx.Param))
+      actor = nnx.eval_shape(lambda: Decoder(actor.config, rngs=nnx.Rngs(0)))
+      nnx.update(actor, params)
+    if multihost.is_chief():
+      _atomic_dir(self._weights_dir(version), lambda tmp: hf_io.save_pretrained(actor, tmp))
+    multihost.barrier(f"weights v{version}")
 
   def _push(self, pool: RolloutPool, version: int) -> None:
     if self.server_version == version:
       return
     start = time.perf_counter()
     path = self._weights_dir(version)
-    if not os.path.exists(path):
-      if version != self.step:
-        raise TrainingError(f"the weights of version {version} are gone from {path}; lag mode keeps the "
-                            f"last `lag` versions there; do not delete them while a run can resume")
+    if version == self.step and not (self.cfg.mode == "lag" and os.path.exists(path)):
       self._save_weights(version)
-    pool.update_weights(path, version)
+    elif not os.path.exists(path):
+      raise TrainingError(f"the weights of version {version} are gone from {path}; lag mode keeps the "
+                          f"last `lag` versions there; do not delete them while a run can resume")
+    if self.pushes_weights:
+      pool.update_weights(path, version)
+    multihost.barrier(f"push v{version}")      # nobody generates with version v before the servers have it
     self.server_version = version
     self.weight_sync_s += time.perf_counter() - start
 
   def _prune_weights(self) -> None:
     """Keep the versions a resume from the latest checkpoint can still push."""
+    if not multihost.is_chief():
+      return
     keep_from = self.step - (self.cfg.lag if self.cfg.mode == "lag" else 0)
     root = os.path.join(self.workdir, "weights")
     for name in os.listdir(root) if os.path.isdir(root) else []:
@@ -248,19 +301,22 @@ class Trainer:
   # --- steps ----------------------------------------------------------------------
 
   def _train_on(self, episodes: list[rollouts.Episode]) -> tuple[dict, float]:
+    """One update on this process's episodes (its rows of the global batch); the row of metrics."""
     batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length)
     start = time.perf_counter()
-    metrics = jax.device_get(self.learner.train_step(batch))
+    metrics = jax.device_get(self.learner.train_step(batch, process_local=True))
     train_s = time.perf_counter() - start
     staleness = np.asarray(batch.staleness(self.step))[batch.mask]
-    lengths = [sum(e.trajectory.mask) for e in episodes]
+    totals = multihost.sum_over_processes([
+        len(episodes), sum(e.trajectory.reward for e in episodes), sum(e.correct for e in episodes),
+        sum(sum(e.trajectory.mask) for e in episodes), sum(e.trajectory.num_turns for e in episodes),
+        staleness.sum(), staleness.size])
+    n, reward, correct, length, turns, stale_sum, stale_count = totals
     row = {
-        "reward_mean": float(np.mean([e.trajectory.reward for e in episodes])),
-        "accuracy": float(np.mean([e.correct for e in episodes])),
-        "response_len_mean": float(np.mean(lengths)),
-        "turns_mean": float(np.mean([e.trajectory.num_turns for e in episodes])),
-        "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
-        "staleness_max": int(staleness.max()) if staleness.size else 0,
+        "reward_mean": reward / n, "accuracy": correct / n, "response_len_mean": length / n,
+        "turns_mean": turns / n,
+        "staleness_mean": stale_sum / max(stale_count, 1),
+        "staleness_max": int(multihost.max_over_processes(float(staleness.max()) if staleness.size else 0.0)),
         "mask_fraction": metrics["masked_fraction"], "clip_fraction": metrics["clip_fraction"],
         "ess": metrics["ess"], "value_loss": metrics["value_loss"], "grad_norm": metrics["actor_grad_norm"],
         "critic_grad_norm": metrics["critic_grad_norm"], "actor_loss": metrics["actor_loss"],
@@ -280,30 +336,47 @@ class Trainer:
     """
     if latest:
       self._push(pool, self.step)
+    if not multihost.is_chief():
+      return {}
     episodes = rollouts.collect(runner, [r for r in self.task.eval if runner.fits(r)],
                                 self.config.rollout.concurrency, greedy=True)
     return {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
             "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
             "eval_version": self.server_version}
 
-  def _checkpoint(self, extra: dict) -> None:
-    self.record.update(extra, step=self.step, version=self.step)
+  def _checkpoint(self, process_state: dict) -> None:
+    """All processes: the learner state (orbax), and each process's data position and buffer."""
+    self.record.update(step=self.step, version=self.step, processes=multihost.gather_json(process_state))
     self.checkpointer.save(self.step, self.learner.state, self.learner.rng, self.record)
     self._prune_weights()
+
+  def _process_record(self) -> dict:
+    processes = self.record.get("processes")
+    return processes[jax.process_index()] if processes else {}
 
   # --- the run ----------------------------------------------------------------------
 
   def run(self) -> dict:
+    """Train to `config.trainer.steps`; SIGTERM and Ctrl-C save a checkpoint before the run ends."""
+    if threading.current_thread() is threading.main_thread():
+      previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+      try:
+        return self._run()
+      finally:
+        signal.signal(signal.SIGTERM, previous)
+    return self._run()
+
+  def _run(self) -> dict:
     c, wall_start = self.cfg, time.time()
     pool = self._start_pool()
     logger = MetricsLogger(self.workdir, total_steps=c.steps, start_step=self.step,
-                           progress=c.progress_bar)
+                           progress=c.progress_bar) if multihost.is_chief() else NullLogger()
     runner = rollouts.EpisodeRunner(pool.generate, self.task, self.tokenizer, self.config.rollout)
     train = [r for r in self.task.train if runner.fits(r)]
     if not train:
       raise TrainingError(f"no training prompt fits config.rollout.max_prefill_length "
                           f"({self.config.rollout.max_prefill_length}); raise it")
-    saved = self.record.get("data", {})
+    saved = self._process_record().get("data", {})
     iterator = data.PromptIterator(train, seed=self.config.seed, shard_index=jax.process_index(),
                                    shard_count=jax.process_count(), state=saved.get("iterator"))
     prompts = rollouts.PromptSource(iterator, saved.get("requeued"))
@@ -313,29 +386,31 @@ class Trainer:
         logger.note(f"resumed from step {self.step} (weights version {self.step}) in {self.workdir}")
       else:
         evaluation = self.evaluate(pool, runner)
-        self.record["initial_eval_accuracy"] = evaluation["eval_accuracy"]
-        logger.write({"step": 0, **evaluation})
-        logger.note(f"eval accuracy before RL: {evaluation['eval_accuracy']:.3f}")
+        if evaluation:
+          self.record["initial_eval_accuracy"] = evaluation["eval_accuracy"]
+          logger.write({"step": 0, **evaluation})
+          logger.note(f"eval accuracy before RL: {evaluation['eval_accuracy']:.3f}")
       if c.mode == "async":
         collector = self._start_collector(pool, runner, prompts)
       while self.step < c.steps:
         step_start, self.weight_sync_s = time.perf_counter(), 0.0
         if c.mode == "async":
-          episodes, _ = collector.take(c.batch_size, self.step)
+          episodes, _ = collector.take(self.local_batch_size, self.step)
         else:
           self._push(pool, max(0, self.step - c.lag) if c.mode == "lag" else self.step)
-          episodes = rollouts.collect(runner, prompts.take(c.batch_size), self.config.rollout.concurrency)
+          episodes = rollouts.collect(runner, prompts.take(self.local_batch_size),
+                                      self.config.rollout.concurrency)
         rollout_wait_s = time.perf_counter() - step_start - self.weight_sync_s
         row, train_s = self._train_on(episodes)
+        pending_row = row             # logged even if what follows fails (the state is saved at this step)
         if c.mode == "lag":
           self._save_weights(self.step)       # pushed `lag` updates from now
         if collector is not None:
-          collector.admission.on_update(c.batch_size)
+          collector.admission.on_update(self.local_batch_size)
           if self.step % c.sync_every == 0:
             self._push(pool, self.step)
         row.update(step=self.step, weights_version=self.step, rollout_wait_s=rollout_wait_s, train_s=train_s,
                    weight_sync_s=self.weight_sync_s, step_time_s=time.perf_counter() - step_start)
-        pending_row = row             # logged even if the evaluation below fails
         if collector is not None:
           row.update(buffer_size=len(collector.buffer), dropped_stale=collector.buffer.dropped)
         if (c.eval_every and self.step % c.eval_every == 0) or self.step == c.steps:
@@ -350,7 +425,7 @@ class Trainer:
       if pending_row is not None:
         logger.write(pending_row)
       self._checkpoint(self._state(prompts, collector))
-      buffered = len(self.record.get("buffer", []))
+      buffered = len(self._process_record().get("buffer", []))
       if isinstance(err, KeyboardInterrupt):
         raise
       raise TrainingError(
@@ -369,9 +444,9 @@ class Trainer:
   def _start_collector(self, pool, runner, prompts) -> rollouts.AsyncCollector:
     c = self.cfg
     buffer = TrajectoryBuffer(c.max_staleness)
-    for payload, oldest in self.record.get("buffer", []):
+    for payload, oldest in self._process_record().get("buffer", []):
       buffer.put(rollouts.Episode.from_json(payload), oldest)
-    admission = AdmissionControl(c.max_staleness, c.batch_size, learner_version=self.step,
+    admission = AdmissionControl(c.max_staleness, self.local_batch_size, learner_version=self.step,
                                  pending=len(buffer))
     self._push(pool, self.step)
     collector = rollouts.AsyncCollector(runner, prompts, admission, buffer,
@@ -394,6 +469,8 @@ class Trainer:
     return "Fix the cause above."
 
   def _summary(self, wall_start: float) -> dict:
+    if not multihost.is_chief():
+      return {"steps": self.step}
     rows = [r for r in read_metrics(self.workdir) if r.get("step", 0) >= 1]
     evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
     summary = {

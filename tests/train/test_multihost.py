@@ -31,3 +31,35 @@ def test_two_processes_equal_one():
   single = multihost_worker.run_step()                  # this process: 8 local fake devices
   for key in ("actor_loss", "value_loss", "actor_grad_norm", "param_checksum"):
     assert results[0][key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+
+
+def run_trainers(workdir, steps, mode):
+  port = portpicker.pick_unused_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  workers = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_trainer_worker.py"), str(i),
+                               str(port), str(workdir), str(steps), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+  results = []
+  for worker in workers:
+    out, err = worker.communicate(timeout=600)
+    assert worker.returncode == 0, err[-3000:]
+    results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+  return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_trainer_processes_train_one_model_and_resume(tmp_path, mode):
+  from copc_jax.train import metrics
+
+  first = run_trainers(tmp_path, 3, mode)
+  assert all(r["process_count"] == 2 and r["steps"] == 3 for r in first)
+  assert first[0]["pushes"] == first[1]["pushes"] and first[0]["pushes"][0] == 0
+  second = run_trainers(tmp_path, 5, mode)                 # resumes from step 3 on both processes
+  assert all(r["pushes"][0] == 3 and r["steps"] == 5 for r in second)
+  rows = metrics.read_metrics(str(tmp_path))               # written by process 0 only, each step once
+  assert [r["step"] for r in rows] == list(range(6))
+  assert max(r["staleness_max"] for r in rows[1:]) <= (0 if mode == "sync" else 1)
+  record = json.loads((tmp_path / "checkpoints" / "5" / "record" / "metadata").read_text())
+  assert len(record["processes"]) == 2 and record["step"] == 5

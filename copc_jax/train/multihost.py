@@ -1,0 +1,62 @@
+"""What the trainer needs when the learner spans several processes (hosts) joined by `jax.distributed`.
+
+Each process collects its own share of every batch (its shard of the prompts) and
+feeds it as process-local rows of the global batch; process 0 (the chief) writes
+files, logs metrics and pushes weights to shared servers. With one process every
+function here is a no-op or the identity.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def is_chief() -> bool:
+  return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Every process waits here until all have arrived."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def gather_json(value) -> list:
+  """`value` (JSON-serialisable) of every process, in process order."""
+  if jax.process_count() == 1:
+    return [value]
+  payload = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([payload.size], np.int64))
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:payload.size] = payload
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(row[:int(n)]).decode()) for row, n in zip(rows, lengths.reshape(-1), strict=True)]
+
+
+def sum_over_processes(values: np.ndarray) -> np.ndarray:
+  values = np.asarray(values, np.float64)
+  if jax.process_count() == 1:
+    return values
+  return multihost_utils.process_allgather(values).reshape(jax.process_count(), *values.shape).sum(0)
+
+
+def max_over_processes(value: float) -> float:
+  if jax.process_count() == 1:
+    return value
+  return float(multihost_utils.process_allgather(np.array([value], np.float64)).max())
+
+
+def fully_replicated_host_copy(tree):
+  """The whole value of every array of `tree` on this host (gathers shards held by other processes)."""
+  if jax.process_count() == 1:
+    return tree
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def global_batch(batch, sharding):
+  """Process-local rows (numpy) → global arrays laid out by `sharding` (the batch axis spans processes)."""
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
