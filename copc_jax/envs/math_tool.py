@@ -14,8 +14,9 @@ import dataclasses
 import logging
 import multiprocessing
 import threading
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 
 from copc_jax.envs import sandbox, tags
 
@@ -83,29 +84,47 @@ _worker: ProcessPoolExecutor | None = None
 _worker_lock = threading.Lock()
 
 
+def _submit(prediction: str, ground_truth: str):
+  """Submit a check to the worker process, starting it (outside any time limit) if needed."""
+  global _worker
+  with _worker_lock:
+    if _worker is None:
+      # spawn, not fork: forking a process that runs JAX threads can deadlock the child.
+      worker = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+      worker.submit(_verify, "1", "1", None).result()    # imports math-verify before the clock runs
+      _worker = worker
+    return _worker, _worker.submit(_verify, prediction, ground_truth, None)
+
+
+def _replace_worker(worker: ProcessPoolExecutor) -> None:
+  global _worker
+  with _worker_lock:
+    if _worker is worker:
+      for process in list(getattr(worker, "_processes", {}).values()):
+        process.kill()
+      worker.shutdown(wait=False, cancel_futures=True)
+      _worker = None
+
+
 def answers_match(prediction: str, ground_truth: str, timeout_s: int = 5) -> bool:
   """math-verify equivalence, bounded in time in any thread.
 
   math-verify's own timeouts use SIGALRM, which only works in the main thread;
-  elsewhere the check runs in a worker process that is replaced if it hangs.
+  elsewhere the check runs in a worker process that is replaced if it hangs
+  (checks cancelled by that replacement are submitted again).
   """
-  global _worker
   if threading.current_thread() is threading.main_thread():
     return _verify(prediction, ground_truth, timeout_s)
-  with _worker_lock:
-    if _worker is None:
-      # spawn, not fork: forking a process that runs JAX threads can deadlock the child.
-      _worker = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-    future = _worker.submit(_verify, prediction, ground_truth, None)
-  try:
-    return future.result(timeout=timeout_s)
-  except FutureTimeout:
-    with _worker_lock:
-      for process in list(getattr(_worker, "_processes", {}).values()):
-        process.kill()
-      _worker.shutdown(wait=False, cancel_futures=True)
-      _worker = None
-    return False
+  for _ in range(3):
+    worker, future = _submit(prediction, ground_truth)
+    try:
+      return future.result(timeout=timeout_s)
+    except FutureTimeout:
+      _replace_worker(worker)
+      return False
+    except (CancelledError, BrokenProcessPool):
+      _replace_worker(worker)     # another check hung and took the worker down: try again
+  return False
 
 
 @dataclasses.dataclass(frozen=True)

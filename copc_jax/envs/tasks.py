@@ -131,7 +131,7 @@ def _knowledge_search(config: TaskConfig, seed: int) -> Task:
   prompt = search.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
   return Task("knowledge_search", train[:config.train_size], eval_[:config.eval_size], search.SEARCH_CLOSE,
               lambda r: prompt(r["question"]), tool, _search_score(config),
-              lambda r: synthetic_tasks.search_demonstration(r, kb, retriever))
+              lambda r: synthetic_tasks.search_demonstration(r, kb, retriever, config.topk))
 
 
 def _records(config: TaskConfig) -> tuple[list[dict], list[dict]]:

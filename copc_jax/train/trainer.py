@@ -326,6 +326,7 @@ class Trainer:
         "nonfinite_count": metrics["nonfinite_count"],
     }
     self.step += 1
+    row.update(step=self.step, weights_version=self.step)
     return row, train_s
 
   def evaluate(self, pool: RolloutPool, runner: rollouts.EpisodeRunner, *, latest: bool = True) -> dict:
@@ -409,8 +410,8 @@ class Trainer:
           collector.admission.on_update(self.local_batch_size)
           if self.step % c.sync_every == 0:
             self._push(pool, self.step)
-        row.update(step=self.step, weights_version=self.step, rollout_wait_s=rollout_wait_s, train_s=train_s,
-                   weight_sync_s=self.weight_sync_s, step_time_s=time.perf_counter() - step_start)
+        row.update(rollout_wait_s=rollout_wait_s, train_s=train_s, weight_sync_s=self.weight_sync_s,
+                   step_time_s=time.perf_counter() - step_start)
         if collector is not None:
           row.update(buffer_size=len(collector.buffer), dropped_stale=collector.buffer.dropped)
         if (c.eval_every and self.step % c.eval_every == 0) or self.step == c.steps:

@@ -68,3 +68,12 @@ def test_code_tool_runs_code_in_the_sandbox():
   assert "error: ZeroDivisionError" in out and tool.errors == 1
   assert "timeout" in tool("<code>while True: pass</code>") and tool.errors == 2
   assert "no code found" in tool("<code>print(1)")
+
+
+def test_many_threads_share_the_worker():
+  from concurrent.futures import ThreadPoolExecutor
+
+  pairs = [(f"{i}/2", str(i / 2)) for i in range(1, 25)] + [("3", "4")]
+  with ThreadPoolExecutor(12) as executor:
+    results = list(executor.map(lambda p: math_tool.answers_match(*p), pairs))
+  assert results == [True] * 24 + [False]

@@ -104,3 +104,13 @@ def test_a_remote_pool_that_dies_saves_and_says_so(tmp_path):
   assert "Every rollout server is down" in message and "rerun the same command" in message
   saved = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
   assert max(saved) >= 2
+
+
+def test_the_main_command_names_missing_data(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "copc_jax.main", "--config=configs/qwen2_5_math.py:1.5b",
+                           f"--workdir={tmp_path}", f"--config.task.train_path={tmp_path}/train.parquet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XLA_FLAGS": ""})
+  assert result.returncode != 0
+  assert f"config.task.train_path: {tmp_path}/train.parquet does not exist" in result.stderr
+  assert "Traceback" not in result.stderr
