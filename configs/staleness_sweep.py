@@ -2,7 +2,7 @@
 
 Run one point (preset, k):
   python -m copc_jax.main --config=configs/staleness_sweep.py:copc,16 --workdir=/tmp/sweep/copc_16
-The whole sweep of the paper (k in 0, 4, 16, 64 for each method) is experiments/staleness_sweep.py.
+A sweep runs this for each method and k in (0, 4, 16, 64); the task and model are the default run's.
 """
 
 from configs import default
