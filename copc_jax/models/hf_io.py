@@ -104,10 +104,30 @@ def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_t
   # Materialise zero buffers for every variable, then fill them from the checkpoint.
   nnx.update(model, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state))
   load_weights(model, read_safetensors(path))
-  tokenizer = None
-  if load_tokenizer:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-  return model, tokenizer
+  return model, _load_tokenizer(path) if load_tokenizer else None
+
+
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_tokenizer(path: str):
+  """The checkpoint's tokenizer, exactly as its tokenizer.json defines it.
+
+  transformers 5 maps a generic tokenizer (class `TokenizersBackend`) of a checkpoint
+  whose model type is e.g. qwen2 to that model's tokenizer class, which replaces the
+  pre-tokenizer and decoder of tokenizer.json with its own; a generic one is loaded
+  as what it is.
+  """
+  import transformers
+
+  config_path = os.path.join(path, "tokenizer_config.json")
+  tokenizer_class = None
+  if os.path.exists(config_path):
+    with open(config_path) as f:
+      tokenizer_class = json.load(f).get("tokenizer_class")
+  if tokenizer_class in GENERIC_TOKENIZER_CLASSES:
+    return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+  return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def save_pretrained(model: Decoder, path: str, *, tokenizer=None, dtype=np.float32) -> None:

@@ -50,7 +50,10 @@ def torch_logits(model, ids, attention_mask=None):
 def test_logits_match_pytorch(tmp_path, arch):
   reference = write_torch_checkpoint(tmp_path, arch)
   model, tokenizer = hf_io.from_pretrained(str(tmp_path))
-  assert tokenizer.decode(tokenizer("7*6=42")["input_ids"]) == "7*6=42"
+  text = "What is 12 * 34?\n<code>print(12 * 34)</code>\n<output>\n408\n</output>"
+  ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+  assert ids == tiny.make_tokenizer()(text, add_special_tokens=False)["input_ids"]   # spaces kept
+  assert tokenizer.decode(ids) == text
   ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(3, 40))
   np.testing.assert_allclose(np.asarray(model(ids)), torch_logits(reference, ids), atol=TOL, rtol=0)
 
