@@ -1,6 +1,6 @@
 """Default job: asynchronous COPC on synthetic tool arithmetic, tiny model, two local JetStream servers.
 
-Run (about 5 minutes on 2 CPU cores, warm start included):
+Run (about 5½ minutes on 2 CPU cores, warm start included):
   python -m copc_jax.main --config=configs/default.py --workdir=/tmp/copc_default
 Another preset: `configs/default.py:async_ppo` (any name in copc_jax/presets.py). Another mode:
 `--config.trainer.mode=sync`, or `--config.trainer.mode=lag --config.trainer.lag=16`.
@@ -19,12 +19,12 @@ def get_config(arg=None):
   config.task.name = "tool_arithmetic"
   config.task.system_prompt = False          # the tiny model learns the format from the demonstrations
   config.task.demo_tool_fraction = 0.5
-  config.warm_start.steps = 800
+  config.warm_start.steps = 1500
   config.trainer.mode = "async"
-  config.trainer.steps = 100
+  config.trainer.steps = 150
   config.trainer.batch_size = 32
   config.trainer.max_staleness = 4
-  config.trainer.eval_every = 20
+  config.trainer.eval_every = 25
   config.trainer.actor_learning_rate = 3e-4
   config.trainer.critic_learning_rate = 1e-3
   return config
