@@ -82,6 +82,13 @@ def _require_file(field: str, path: str) -> str:
   return path
 
 
+def _prompt(format_prompt: Callable[[str], str], config: TaskConfig) -> Callable[[dict], str]:
+  """record → prompt: the task's instructions and the question, or (no system prompt) the bare question."""
+  if config.system_prompt:
+    return lambda record: format_prompt(record["question"])
+  return lambda record: f"{record['question']}\n"
+
+
 def _math_score(config: TaskConfig):
   def score(response: str, record: dict) -> tuple[float, bool]:
     result = math_tool.math_reward(response, record["answer"], code_error_penalty=config.code_error_penalty,
@@ -112,15 +119,17 @@ def _tool_arithmetic(config: TaskConfig, seed: int) -> Task:
       return synthetic_tasks.arithmetic_demonstration(record)
     return _direct_answer(record)
 
-  prompt = math_tool.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
-  return Task("tool_arithmetic", train, eval_, math_tool.CODE_CLOSE, lambda r: prompt(r["question"]),
+  return Task("tool_arithmetic", train, eval_, math_tool.CODE_CLOSE, _prompt(math_tool.format_prompt, config),
               _code_tool(config), _math_score(config), demonstration)
 
 
 def _search_score(config: TaskConfig):
   def score(response: str, record: dict) -> tuple[float, bool]:
-    reward = search.search_reward(response, record["answer"], metric=config.reward_metric)
-    return reward, search.search_reward(response, record["answer"], metric="em") == 1.0
+    exact = search.search_reward(response, record["answer"], metric="em")
+    if config.reward_metric == "em":
+      return exact, exact == 1.0
+    reward = search.search_reward(response, record["answer"], metric="f1")
+    return reward, exact == 1.0
   return score
 
 
@@ -128,9 +137,8 @@ def _knowledge_search(config: TaskConfig, seed: int) -> Task:
   kb, train, eval_ = synthetic_tasks.knowledge_splits(seed)
   retriever = search.Retriever(kb.passages())
   tool = search.SearchTool(retriever=retriever, topk=config.topk)
-  prompt = search.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
   return Task("knowledge_search", train[:config.train_size], eval_[:config.eval_size], search.SEARCH_CLOSE,
-              lambda r: prompt(r["question"]), tool, _search_score(config),
+              _prompt(search.format_prompt, config), tool, _search_score(config),
               lambda r: synthetic_tasks.search_demonstration(r, kb, retriever, config.topk))
 
 
@@ -144,8 +152,7 @@ def _records(config: TaskConfig) -> tuple[list[dict], list[dict]]:
 def _math(config: TaskConfig, seed: int) -> Task:
   del seed
   train, eval_ = _records(config)
-  prompt = math_tool.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
-  return Task("math", train, eval_, math_tool.CODE_CLOSE, lambda r: prompt(r["question"]),
+  return Task("math", train, eval_, math_tool.CODE_CLOSE, _prompt(math_tool.format_prompt, config),
               _code_tool(config), _math_score(config))
 
 
@@ -157,8 +164,7 @@ def _search(config: TaskConfig, seed: int) -> Task:
   else:
     tool = search.SearchTool(retriever=search.Retriever.from_jsonl(
         _require_file("corpus_path", config.corpus_path)), topk=config.topk)
-  prompt = search.format_prompt if config.system_prompt else (lambda q: f"{q}\n")
-  return Task("search", train, eval_, search.SEARCH_CLOSE, lambda r: prompt(r["question"]), tool,
+  return Task("search", train, eval_, search.SEARCH_CLOSE, _prompt(search.format_prompt, config), tool,
               _search_score(config))
 
 

@@ -43,7 +43,7 @@ from copc_jax.envs.tasks import make_task
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder, ValueModel
 from copc_jax.rollout.agent import to_batch
-from copc_jax.rollout.pool import RolloutPool
+from copc_jax.rollout.pool import PoolExhausted, RolloutPool
 from copc_jax.train import checkpoint, multihost, rollouts, warm_start
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
 from copc_jax.train.metrics import MetricsLogger, read_metrics
@@ -329,7 +329,8 @@ class Trainer:
     row.update(step=self.step, weights_version=self.step)
     return row, train_s
 
-  def evaluate(self, pool: RolloutPool, runner: rollouts.EpisodeRunner, *, latest: bool = True) -> dict:
+  def evaluate(self, pool: RolloutPool, runner: rollouts.EpisodeRunner, records: list[dict], *,
+               latest: bool = True) -> dict:
     """Greedy accuracy on the held-out split, of the learner's weights (`latest`) or of those served.
 
     Servers only move forward in versions, so lag mode evaluates the weights it
@@ -339,8 +340,7 @@ class Trainer:
       self._push(pool, self.step)
     if not multihost.is_chief():
       return {}
-    episodes = rollouts.collect(runner, [r for r in self.task.eval if runner.fits(r)],
-                                self.config.rollout.concurrency, greedy=True)
+    episodes = rollouts.collect(runner, records, self.config.rollout.concurrency, greedy=True)
     return {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
             "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
             "eval_version": self.server_version}
@@ -374,6 +374,7 @@ class Trainer:
                            progress=c.progress_bar) if multihost.is_chief() else NullLogger()
     runner = rollouts.EpisodeRunner(pool.generate, self.task, self.tokenizer, self.config.rollout)
     train = [r for r in self.task.train if runner.fits(r)]
+    eval_records = [r for r in self.task.eval if runner.fits(r)]
     if not train:
       raise TrainingError(f"no training prompt fits config.rollout.max_prefill_length "
                           f"({self.config.rollout.max_prefill_length}); raise it")
@@ -386,7 +387,7 @@ class Trainer:
       if self.resuming:
         logger.note(f"resumed from step {self.step} (weights version {self.step}) in {self.workdir}")
       else:
-        evaluation = self.evaluate(pool, runner)
+        evaluation = self.evaluate(pool, runner, eval_records)
         if evaluation:
           self.record["initial_eval_accuracy"] = evaluation["eval_accuracy"]
           logger.write({"step": 0, **evaluation})
@@ -415,7 +416,7 @@ class Trainer:
         if collector is not None:
           row.update(buffer_size=len(collector.buffer), dropped_stale=collector.buffer.dropped)
         if (c.eval_every and self.step % c.eval_every == 0) or self.step == c.steps:
-          row.update(self.evaluate(pool, runner, latest=c.mode != "lag" or self.step == c.steps))
+          row.update(self.evaluate(pool, runner, eval_records, latest=c.mode != "lag" or self.step == c.steps))
         logger.write(row)
         pending_row = None
         if self.step % c.checkpoint_every == 0 or self.step == c.steps:
@@ -463,8 +464,6 @@ class Trainer:
 
   @staticmethod
   def _advice(err: BaseException) -> str:
-    from copc_jax.rollout.pool import PoolExhausted
-
     if isinstance(err, PoolExhausted):
       return "Every rollout server is down: restart them (or check config.rollout.addresses)."
     return "Fix the cause above."

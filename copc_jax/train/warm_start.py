@@ -104,19 +104,19 @@ def _round_up(n: int, multiple: int = 16) -> int:
 def train_on_demonstrations(actor, tokenizer, demonstrations: list[dict], config: WarmStartConfig,
                             seed: int = 0, log=None) -> list[float]:
   """`config.steps` SFT steps on random minibatches of {"prompt", "response"}; returns the losses."""
-  bos = tokenizer.bos_token_id
   lengths = [len(tokenizer.encode(d["prompt"] + d["response"], add_special_tokens=False)) + 2
              for d in demonstrations]
-  length = _round_up(max(lengths))
+  encoded = encode_demonstrations(tokenizer, [d["prompt"] for d in demonstrations],
+                                  [d["response"] for d in demonstrations], _round_up(max(lengths)),
+                                  bos_id=tokenizer.bos_token_id)
   trainer = WarmStart(actor, OptimizerConfig(learning_rate=config.learning_rate,
                                              warmup_steps=config.warmup_steps))
   rng = np.random.default_rng(seed)
   batch_size = min(config.batch_size, len(demonstrations))
   losses = []
   for step in range(config.steps):
-    chosen = [demonstrations[i] for i in rng.choice(len(demonstrations), batch_size, replace=False)]
-    batch = encode_demonstrations(tokenizer, [d["prompt"] for d in chosen], [d["response"] for d in chosen],
-                                  length, bos_id=bos)
+    rows = rng.choice(len(demonstrations), batch_size, replace=False)
+    batch = DemonstrationBatch(encoded.tokens[rows], encoded.attention_mask[rows], encoded.loss_mask[rows])
     losses.append(trainer.step(batch))
     if log is not None and (step + 1) % max(1, config.steps // 5) == 0:
       log(f"warm start step {step + 1}/{config.steps}: loss {np.mean(losses[-20:]):.4f}")

@@ -13,19 +13,25 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices for the 1-process reference")
-def test_two_processes_equal_one():
+def run_two_processes(script, *args, timeout_s=600):
+  """Run `script PROCESS_ID PORT *args` as processes 0 and 1 of one jax.distributed job; their RESULTs."""
   port = portpicker.pick_unused_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  workers = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), str(port)],
+  workers = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
   results = []
   for worker in workers:
-    out, err = worker.communicate(timeout=300)
+    out, err = worker.communicate(timeout=timeout_s)
     assert worker.returncode == 0, err[-3000:]
     results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+  return results
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices for the 1-process reference")
+def test_two_processes_equal_one():
+  results = run_two_processes("multihost_worker.py")
   assert all(r["process_count"] == 2 and r["device_count"] == 8 for r in results)
   assert results[0] == results[1]                       # both processes see the same global step
   single = multihost_worker.run_step()                  # this process: 8 local fake devices
@@ -34,18 +40,7 @@ def test_two_processes_equal_one():
 
 
 def run_trainers(workdir, steps, mode):
-  port = portpicker.pick_unused_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  workers = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_trainer_worker.py"), str(i),
-                               str(port), str(workdir), str(steps), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in range(2)]
-  results = []
-  for worker in workers:
-    out, err = worker.communicate(timeout=600)
-    assert worker.returncode == 0, err[-3000:]
-    results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
-  return results
+  return run_two_processes("multihost_trainer_worker.py", str(workdir), str(steps), mode)
 
 
 @pytest.mark.slow

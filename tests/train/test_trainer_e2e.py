@@ -10,9 +10,8 @@ import threading
 import time
 
 import pytest
+from test_trainer import make_config
 
-from configs import common
-from copc_jax import config as config_lib
 from copc_jax.rollout.pool import wait_until
 from copc_jax.rollout.process import ServerProcess
 from copc_jax.train import metrics, trainer
@@ -66,14 +65,12 @@ def test_the_main_command_killed_at_a_random_moment_resumes(tmp_path):
 
 
 def small_config(**sections):
-  raw = common.train_config("copc")
-  raw.task.system_prompt = False
-  raw.task.eval_size = 8
-  raw.rollout.update(dict(num_servers=1, slots=4, max_in_flight=4, max_tokens_per_turn=16))
-  raw.trainer.update(dict(batch_size=8, steps=40, eval_every=0, checkpoint_every=100, progress_bar=False))
+  """test_trainer's small config, long enough (and rarely checkpointed) for a server to die mid-run."""
+  merged = {"trainer": dict(steps=40, eval_every=0, checkpoint_every=100),
+            "rollout": dict(slots=4, max_tokens_per_turn=16)}
   for section, values in sections.items():
-    raw[section].update(values)
-  return config_lib.from_config_dict(raw)
+    merged[section] = {**merged.get(section, {}), **values}
+  return make_config(**merged)
 
 
 def test_servers_that_never_become_ready_end_the_run_with_advice(tmp_path):
@@ -89,7 +86,8 @@ def test_a_remote_pool_that_dies_saves_and_says_so(tmp_path):
   tiny.make_tiny_checkpoint(str(tmp_path / "model"))
   server = ServerProcess(str(tmp_path / "model"), slots=4, max_prefill_length=64, max_length=128, version=-1)
   address = server.wait_ready()
-  config = small_config(model=dict(checkpoint=str(tmp_path / "model")), rollout=dict(addresses=(address,)))
+  config = small_config(model=dict(checkpoint=str(tmp_path / "model")),
+                        rollout=dict(addresses=(address,)))
   workdir = tmp_path / "run"
   killer = threading.Thread(target=lambda: wait_until(
       lambda: len(metrics.read_metrics(str(workdir))) >= 3, timeout_s=300) and server.kill())
