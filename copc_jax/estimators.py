@@ -30,6 +30,12 @@ A policy token sets G ← ρ̃ (R − V + U) + γ c̃ G and U ← γ V; a masked
 leaves G alone and adds its reward to U. Each position is therefore an affine
 map of the carry, which also gives the `associative_scan` variant: compose the
 maps in O(log T) depth.
+
+The scan reads three time-major arrays: R, V and one "ratio code" holding r_t on
+policy tokens, NaN where r_t is not finite and −1 on masked positions, so the
+mask and both clips ride on a single input (on CPU every scanned input and every
+op of the loop body costs a fixed overhead per time step; see
+`experiments/bench_estimators.py`).
 """
 
 from __future__ import annotations
@@ -86,30 +92,49 @@ def _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
   return rewards_bt, values_bt, rho_bt, discounted_trace_bt, mask_bt
 
 
-def _scan_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
-               gamma, lam, advantage_form):
-  """Reverse `lax.scan` over time with carry (G, U); returns (advantages, returns)."""
+def _ratio_code(target_logprobs, behavior_logprobs, mask):
+  """float32 [B, T]: r_t on policy tokens, NaN where r_t is not finite, −1 on masked positions.
+
+  Masked positions may hold anything (padding, −inf log-probs); they never reach
+  exp. r_t ≥ 0, so −1 can only mean "masked".
+  """
+  log_ratio = jnp.asarray(target_logprobs, jnp.float32) - jnp.asarray(behavior_logprobs, jnp.float32)
+  finite = jnp.isfinite(log_ratio)
+  ratio = jnp.where(finite, jnp.exp(jnp.where(finite, log_ratio, 0.0)), jnp.nan)
+  return jnp.where(jnp.asarray(mask, bool), ratio, -1.0)
+
+
+def _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip,
+               advantage_form):
+  """Reverse `lax.scan` over time with carry (G, U); returns (advantages, returns).
+
+  The clips are applied in the body and the masked outputs written there: both
+  measured faster on CPU than extra scanned inputs or a pass after the loop.
+  """
   want_pg = advantage_form == "vtrace_pg"
-  # XLA's per-step cost grows with every scanned input, so the mask rides in the
-  # sign of the trace coefficient (always >= 0 on policy tokens): 4 inputs, not 5.
-  signed_trace_bt = jnp.where(mask_bt, trace_bt, -1.0)
 
   def step(carry, x):
     g_next, u_next = carry
-    r_t, v_t, rho_t, trace_t = x
-    policy_t = trace_t >= 0
-    rho_delta_t = rho_t * (r_t - v_t + u_next)          # ρ̃_t δ_t (U holds γV_next + masked rewards)
-    g_t = jnp.where(policy_t, rho_delta_t + trace_t * g_next, g_next)
-    u_t = jnp.where(policy_t, gamma * v_t, u_next + r_t)
-    advantage_t = rho_delta_t + gamma * lam * rho_t * g_next if want_pg else g_t
-    # Writing the masked outputs here, time-major, is faster on CPU than a
-    # strided read of G by a fusion after the loop.
-    outputs = (jnp.where(policy_t, advantage_t, 0.0), jnp.where(policy_t, v_t + g_t, 0.0))
+    r_t, v_t, code_t = x
+    masked_t = code_t == -1.0
+    rho_t = jnp.clip(code_t, *rho_clip)
+    trace_t = gamma * lam * jnp.clip(code_t, *trace_clip)
+    td_t = r_t - v_t + u_next                      # δ_t (U holds γV_next + the masked rewards)
+    g_policy_t = rho_t * td_t + trace_t * g_next
+    finite_t = code_t == code_t                    # NaN code: no weight, trace cut
+    g_t = jnp.where(masked_t, g_next, jnp.where(finite_t, g_policy_t, 0.0))
+    # (g_t − g_t) is 0 for any finite G: it makes U's update read G, so XLA orders it
+    # after G's read of U and updates the carry in place instead of copying it each step.
+    u_t = jnp.where(masked_t, u_next + r_t, gamma * v_t) + (g_t - g_t)
+    if want_pg:
+      advantage_t = jnp.where(finite_t, rho_t * (td_t + gamma * lam * g_next), 0.0)
+    else:
+      advantage_t = g_t
+    outputs = (jnp.where(masked_t, 0.0, advantage_t), jnp.where(masked_t, 0.0, v_t + g_t))
     return (g_t, u_t), outputs
 
-  batch = rewards_bt.shape[0]
-  xs = tuple(x.T for x in (rewards_bt, values_bt, rho_bt, signed_trace_bt))  # [T, B]
-  init = (jnp.zeros((batch,), jnp.float32), gamma * bootstrap_b)
+  xs = (jnp.asarray(rewards, jnp.float32).T, jnp.asarray(values, jnp.float32).T, ratio_code.T)
+  init = (jnp.zeros_like(bootstrap_b), gamma * bootstrap_b)
   _, (advantages_tb, returns_tb) = jax.lax.scan(step, init, xs, reverse=True)
   return advantages_tb.T, returns_tb.T
 
@@ -155,16 +180,17 @@ def _associative_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstra
 def _coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask,
                         bootstrap_value, *, gamma, lam, rho_clip, trace_clip,
                         advantage_form, impl):
-  terms = _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
-                           gamma, lam, rho_clip, trace_clip)
-  rewards_bt, values_bt, rho_bt, trace_bt, mask_bt = terms
   if bootstrap_value is None:
-    bootstrap_b = jnp.zeros(rewards_bt.shape[:1], jnp.float32)
+    bootstrap_b = jnp.zeros(jnp.shape(rewards)[:1], jnp.float32)
   else:
     bootstrap_b = jnp.asarray(bootstrap_value, jnp.float32)
-  solve = _scan_impl if impl == "scan" else _associative_impl
-  return solve(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
-               gamma, lam, advantage_form)
+  if impl == "scan":
+    ratio_code = _ratio_code(target_logprobs, behavior_logprobs, mask)
+    return _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip,
+                      advantage_form)
+  terms = _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
+                           gamma, lam, rho_clip, trace_clip)
+  return _associative_impl(*terms, bootstrap_b, gamma, lam, advantage_form)
 
 
 def coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask, *,

@@ -2,10 +2,14 @@
 
   python experiments/bench_estimators.py            # B = 64, T ∈ {1024, 4096, 16384}
 
-All timings come from the same run; each is the best of `--repeats` calls after a
-compile/warm-up call. copc_jax handles masks (20% tool tokens), rewards on tool
-tokens and bootstrap values; rlax's V-trace and the bare one-carry recurrence
-handle none of them and set the reference and the ceiling.
+All timings come from the same run. The jitted implementations are timed in
+interleaved rounds (each round: the best of `--calls` calls of every one of them,
+after a compile/warm-up call), so a slow spell of a shared machine hits all of
+them alike; the table shows medians over `--rounds` rounds, and each ratio is the
+median of the per-round ratios with its range over the rounds. copc_jax handles
+masks (20% tool tokens), rewards on tool tokens and bootstrap values; rlax's
+V-trace and the bare one-carry recurrence handle none of them and set the
+reference and the ceiling.
 """
 
 import argparse
@@ -21,6 +25,7 @@ from copc_jax import estimators
 
 
 def best_time(fn, *args, repeats):
+  """Best wall time of `repeats` calls (after one warm-up call)."""
   jax.block_until_ready(fn(*args))
   best = float("inf")
   for _ in range(repeats):
@@ -28,6 +33,23 @@ def best_time(fn, *args, repeats):
     jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - start)
   return best
+
+
+def interleaved_times(fns, args, *, rounds, calls):
+  """{name: [best time of `calls` calls in each round]}, every function timed in every round."""
+  for fn in fns.values():
+    jax.block_until_ready(fn(*args[fn]))
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      times[name].append(best_time(fn, *args[fn], repeats=calls))
+  return times
+
+
+def paired_ratio(times, name, reference):
+  """Median and range over rounds of time(reference) / time(name) (> 1: `name` is faster)."""
+  ratios = np.asarray(times[reference]) / np.asarray(times[name])
+  return float(np.median(ratios)), float(ratios.min()), float(ratios.max())
 
 
 @jax.jit
@@ -70,14 +92,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--calls", type=int, default=5)
   parser.add_argument("--tool-fraction", type=float, default=0.2)
   args = parser.parse_args()
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, B = {args.batch}, "
-        f"{args.tool_fraction:.0%} tool tokens, best of {args.repeats}")
-  header = (f"{'T':>6} | {'copc scan':>10} {'copc assoc':>10} {'rlax vtrace':>11} {'bare scan':>10}"
-            f" {'numpy':>8} | {'scan/rlax':>9} {'assoc/rlax':>10} {'bare/rlax':>9} {'scan/numpy':>10}")
-  print("tokens/s in millions")
+        f"{args.tool_fraction:.0%} tool tokens, {args.rounds} interleaved rounds of best-of-{args.calls}")
+  header = (f"{'T':>6} | {'copc scan':>9} {'copc assoc':>10} {'rlax vtrace':>11} {'bare scan':>9}"
+            f" {'numpy':>6} | {'scan/rlax (range)':>18} {'assoc/rlax':>10} {'bare/rlax':>9}")
+  print("tokens/s in millions (median over rounds); ratios: median of per-round ratios")
   print(header)
   print("-" * len(header))
   for length in args.lengths:
@@ -90,21 +113,26 @@ def main():
     mask = rng.random(shape) >= args.tool_fraction
     bootstrap = rng.normal(size=args.batch).astype(np.float32)
     device = [jax.device_put(x) for x in (rewards, values, target, behaviour, mask, bootstrap)]
-    times = {}
-    for impl in estimators.SCAN_IMPLS:
-      times[impl] = best_time(
-          lambda *xs, impl=impl: estimators.coupled_advantages(*xs[:5], bootstrap_value=xs[5], impl=impl),
-          *device, repeats=args.repeats)
-    times["rlax"] = best_time(rlax_vtrace, *device[:4], device[5], repeats=args.repeats)
-    times["bare"] = best_time(bare_recurrence, device[0], device[1], repeats=args.repeats)
+    fns = {impl: functools.partial(copc_call, impl=impl) for impl in estimators.SCAN_IMPLS}
+    fns["rlax"], fns["bare"] = rlax_vtrace, bare_recurrence
+    fn_args = {fns["scan"]: device, fns["associative"]: device,
+               rlax_vtrace: (*device[:4], device[5]), bare_recurrence: device[:2]}
+    times = interleaved_times(fns, fn_args, rounds=args.rounds, calls=args.calls)
     start = time.perf_counter()
     numpy_reverse_loop(rewards, values, target - behaviour, mask, bootstrap)
-    times["numpy"] = time.perf_counter() - start
-    rate = {k: args.batch * length / v / 1e6 for k, v in times.items()}
-    print(f"{length:>6} | {rate['scan']:>10.1f} {rate['associative']:>10.1f} {rate['rlax']:>11.1f}"
-          f" {rate['bare']:>10.1f} {rate['numpy']:>8.1f} | {rate['scan'] / rate['rlax']:>9.2f}"
-          f" {rate['associative'] / rate['rlax']:>10.2f} {rate['bare'] / rate['rlax']:>9.2f}"
-          f" {rate['scan'] / rate['numpy']:>10.0f}")
+    times["numpy"] = [time.perf_counter() - start]
+    rate = {k: args.batch * length / float(np.median(v)) / 1e6 for k, v in times.items()}
+    scan, scan_lo, scan_hi = paired_ratio(times, "scan", "rlax")
+    print(f"{length:>6} | {rate['scan']:>9.1f} {rate['associative']:>10.1f} {rate['rlax']:>11.1f}"
+          f" {rate['bare']:>9.1f} {rate['numpy']:>6.1f} |"
+          f" {f'{scan:.2f} ({scan_lo:.2f}-{scan_hi:.2f})':>18}"
+          f" {paired_ratio(times, 'associative', 'rlax')[0]:>10.2f}"
+          f" {paired_ratio(times, 'bare', 'rlax')[0]:>9.2f}")
+
+
+def copc_call(rewards, values, target, behaviour, mask, bootstrap, *, impl):
+  return estimators.coupled_advantages(rewards, values, target, behaviour, mask,
+                                       bootstrap_value=bootstrap, impl=impl)
 
 
 if __name__ == "__main__":

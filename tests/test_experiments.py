@@ -28,7 +28,7 @@ def test_benchmark_numpy_loop_computes_the_same_advantages():
 def test_benchmark_script_runs():
   result = subprocess.run(
       [sys.executable, "experiments/bench_estimators.py", "--batch=4", "--lengths", "64",
-       "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+       "--rounds=1", "--calls=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "scan/rlax" in result.stdout
 
