@@ -25,8 +25,7 @@ from copc_jax import estimators
 
 
 def best_time(fn, *args, repeats):
-  """Best wall time of `repeats` calls (after one warm-up call)."""
-  jax.block_until_ready(fn(*args))
+  """Best wall time of `repeats` calls (the caller has already compiled `fn`)."""
   best = float("inf")
   for _ in range(repeats):
     start = time.perf_counter()
@@ -35,14 +34,17 @@ def best_time(fn, *args, repeats):
   return best
 
 
-def interleaved_times(fns, args, *, rounds, calls):
-  """{name: [best time of `calls` calls in each round]}, every function timed in every round."""
-  for fn in fns.values():
-    jax.block_until_ready(fn(*args[fn]))
-  times = {name: [] for name in fns}
+def interleaved_times(jobs, *, rounds, calls):
+  """{name: [best time of `calls` calls in each round]} for jobs = {name: (fn, args)}.
+
+  Every job runs in every round, so a slow spell of the machine hits all of them alike.
+  """
+  for fn, args in jobs.values():
+    jax.block_until_ready(fn(*args))   # compile and warm up
+  times = {name: [] for name in jobs}
   for _ in range(rounds):
-    for name, fn in fns.items():
-      times[name].append(best_time(fn, *args[fn], repeats=calls))
+    for name, (fn, args) in jobs.items():
+      times[name].append(best_time(fn, *args, repeats=calls))
   return times
 
 
@@ -113,11 +115,10 @@ def main():
     mask = rng.random(shape) >= args.tool_fraction
     bootstrap = rng.normal(size=args.batch).astype(np.float32)
     device = [jax.device_put(x) for x in (rewards, values, target, behaviour, mask, bootstrap)]
-    fns = {impl: functools.partial(copc_call, impl=impl) for impl in estimators.SCAN_IMPLS}
-    fns["rlax"], fns["bare"] = rlax_vtrace, bare_recurrence
-    fn_args = {fns["scan"]: device, fns["associative"]: device,
-               rlax_vtrace: (*device[:4], device[5]), bare_recurrence: device[:2]}
-    times = interleaved_times(fns, fn_args, rounds=args.rounds, calls=args.calls)
+    jobs = {impl: (functools.partial(copc_call, impl=impl), device) for impl in estimators.SCAN_IMPLS}
+    jobs["rlax"] = (rlax_vtrace, (*device[:4], device[5]))
+    jobs["bare"] = (bare_recurrence, device[:2])
+    times = interleaved_times(jobs, rounds=args.rounds, calls=args.calls)
     start = time.perf_counter()
     numpy_reverse_loop(rewards, values, target - behaviour, mask, bootstrap)
     times["numpy"] = [time.perf_counter() - start]
