@@ -74,24 +74,6 @@ def _check_args(rewards, values, target_logprobs, behavior_logprobs, mask,
       raise ValueError(f"{name} must satisfy 0 <= min <= max; got {(lo, hi)}")
 
 
-def _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
-                     gamma, lam, rho_clip, trace_clip):
-  """Float32 [B, T] inputs of the recursion: R, V, ρ̃, γ·c̃ and the mask."""
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  rewards_bt, values_bt = f32(rewards), f32(values)
-  mask_bt = jnp.asarray(mask, bool)
-  log_ratio_bt = f32(target_logprobs) - f32(behavior_logprobs)
-  # Masked positions may hold anything (padding, −inf log-probs): keep them out
-  # of exp so no NaN can leak through a multiplication by zero.
-  ratio_bt = jnp.exp(jnp.where(mask_bt, log_ratio_bt, 0.0))
-  # A non-finite ratio gives its token no weight and cuts the trace there,
-  # instead of turning every earlier advantage of the sequence into NaN.
-  finite_bt = jnp.isfinite(log_ratio_bt) | ~mask_bt
-  rho_bt = jnp.where(finite_bt, jnp.clip(ratio_bt, *rho_clip), 0.0)
-  discounted_trace_bt = jnp.where(finite_bt, gamma * lam * jnp.clip(ratio_bt, *trace_clip), 0.0)
-  return rewards_bt, values_bt, rho_bt, discounted_trace_bt, mask_bt
-
-
 def _ratio_code(target_logprobs, behavior_logprobs, mask):
   """float32 [B, T]: r_t on policy tokens, NaN where r_t is not finite, −1 on masked positions.
 
@@ -102,6 +84,14 @@ def _ratio_code(target_logprobs, behavior_logprobs, mask):
   finite = jnp.isfinite(log_ratio)
   ratio = jnp.where(finite, jnp.exp(jnp.where(finite, log_ratio, 0.0)), jnp.nan)
   return jnp.where(jnp.asarray(mask, bool), ratio, -1.0)
+
+
+def _clipped_weights(ratio_code, gamma, lam, rho_clip, trace_clip):
+  """[B, T] ρ̃, γ·λ·c̃ and the mask from the ratio code; no weight and no trace where r_t is not finite."""
+  finite = ratio_code == ratio_code
+  rho = jnp.where(finite, jnp.clip(ratio_code, *rho_clip), 0.0)
+  discounted_trace = jnp.where(finite, gamma * lam * jnp.clip(ratio_code, *trace_clip), 0.0)
+  return rho, discounted_trace, ratio_code != -1.0
 
 
 def _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip,
@@ -133,7 +123,7 @@ def _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, t
     outputs = (jnp.where(masked_t, 0.0, advantage_t), jnp.where(masked_t, 0.0, v_t + g_t))
     return (g_t, u_t), outputs
 
-  xs = (jnp.asarray(rewards, jnp.float32).T, jnp.asarray(values, jnp.float32).T, ratio_code.T)
+  xs = (rewards.T, values.T, ratio_code.T)
   init = (jnp.zeros_like(bootstrap_b), gamma * bootstrap_b)
   _, (advantages_tb, returns_tb) = jax.lax.scan(step, init, xs, reverse=True)
   return advantages_tb.T, returns_tb.T
@@ -180,17 +170,19 @@ def _associative_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstra
 def _coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask,
                         bootstrap_value, *, gamma, lam, rho_clip, trace_clip,
                         advantage_form, impl):
+  rewards = jnp.asarray(rewards, jnp.float32)
+  values = jnp.asarray(values, jnp.float32)
   if bootstrap_value is None:
-    bootstrap_b = jnp.zeros(jnp.shape(rewards)[:1], jnp.float32)
+    bootstrap_b = jnp.zeros(rewards.shape[:1], jnp.float32)
   else:
     bootstrap_b = jnp.asarray(bootstrap_value, jnp.float32)
+  ratio_code = _ratio_code(target_logprobs, behavior_logprobs, mask)
   if impl == "scan":
-    ratio_code = _ratio_code(target_logprobs, behavior_logprobs, mask)
     return _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip,
                       advantage_form)
-  terms = _per_token_terms(rewards, values, target_logprobs, behavior_logprobs, mask,
-                           gamma, lam, rho_clip, trace_clip)
-  return _associative_impl(*terms, bootstrap_b, gamma, lam, advantage_form)
+  rho, trace, mask_bt = _clipped_weights(ratio_code, gamma, lam, rho_clip, trace_clip)
+  return _associative_impl(rewards, values, rho, trace, mask_bt, bootstrap_b, gamma, lam,
+                           advantage_form)
 
 
 def coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask, *,
