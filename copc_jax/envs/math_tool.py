@@ -18,6 +18,7 @@ from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
+from copc_jax import parent_watchdog
 from copc_jax.envs import sandbox, tags
 
 CODE_OPEN, CODE_CLOSE = "<code>", "</code>"
@@ -90,7 +91,8 @@ def _submit(prediction: str, ground_truth: str):
   with _worker_lock:
     if _worker is None:
       # spawn, not fork: forking a process that runs JAX threads can deadlock the child.
-      worker = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+      worker = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=parent_watchdog.exit_when_orphaned)
       worker.submit(_verify, "1", "1", None).result()    # imports math-verify before the clock runs
       _worker = worker
     return _worker, _worker.submit(_verify, prediction, ground_truth, None)

@@ -8,10 +8,10 @@ Binds 127.0.0.1 unless --host says otherwise. --port=0 picks a free port; with
 
 import asyncio
 import os
-import threading
-import time
 
 from absl import app, flags, logging
+
+from copc_jax import parent_watchdog
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + safetensors).")
@@ -29,21 +29,10 @@ flags.DEFINE_bool("exit_with_parent", False, "Exit when the process that started
 flags.mark_flag_as_required("checkpoint")
 
 
-def _exit_when_orphaned(interval_s: float = 0.5) -> None:
-  parent = os.getppid()
-
-  def watch():
-    while os.getppid() == parent:
-      time.sleep(interval_s)
-    os._exit(0)
-
-  threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
-
-
 def main(argv):
   del argv
   if FLAGS.exit_with_parent:
-    _exit_when_orphaned()
+    parent_watchdog.exit_when_orphaned()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from copc_jax.models import hf_io
   from copc_jax.rollout.engine import CopcEngine

@@ -1,5 +1,9 @@
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -77,3 +81,26 @@ def test_many_threads_share_the_worker():
   with ThreadPoolExecutor(12) as executor:
     results = list(executor.map(lambda p: math_tool.answers_match(*p), pairs))
   assert results == [True] * 24 + [False]
+
+
+def test_worker_exits_when_its_parent_is_killed():
+  # A SIGKILLed trainer must not leave its math-verify worker behind.
+  script = ("import threading; from copc_jax.envs import math_tool\n"
+            "t = threading.Thread(target=math_tool.answers_match, args=('1', '1')); t.start(); t.join()\n"
+            "print(*math_tool._worker._processes, flush=True)\n"
+            "threading.Event().wait()\n")
+  parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+  try:
+    worker_pid = int(parent.stdout.readline())
+  finally:
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline:
+    try:
+      os.kill(worker_pid, 0)
+    except ProcessLookupError:
+      return
+    time.sleep(0.1)
+  os.kill(worker_pid, signal.SIGKILL)
+  pytest.fail("the math-verify worker outlived its killed parent")
