@@ -14,6 +14,7 @@ reference and the ceiling.
 
 import argparse
 import functools
+import os
 import time
 
 import jax
@@ -99,7 +100,8 @@ def main():
   parser.add_argument("--tool-fraction", type=float, default=0.2)
   args = parser.parse_args()
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, B = {args.batch}, "
-        f"{args.tool_fraction:.0%} tool tokens, {args.rounds} interleaved rounds of best-of-{args.calls}")
+        f"{args.tool_fraction:.0%} tool tokens, {args.rounds} interleaved rounds of best-of-{args.calls}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   header = (f"{'T':>6} | {'copc scan':>9} {'copc assoc':>10} {'rlax vtrace':>11} {'bare scan':>9}"
             f" {'numpy':>6} | {'scan/rlax (range)':>18} {'assoc/rlax':>10} {'bare/rlax':>9}")
   print("tokens/s in millions (median over rounds); ratios: median of per-round ratios")

@@ -48,3 +48,21 @@ def test_rollout_benchmark_runs_with_one_server():
       env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
   assert "1 server(s) via gRPC" in result.stdout
+
+
+def test_loop_cost_script_runs_and_its_recurrence_is_right():
+  import xla_cpu_loop_costs
+  rng = np.random.default_rng(0)
+  a, b = rng.random((20, 3), np.float32), rng.random((20, 3), np.float32)
+  (x0,), (out,) = xla_cpu_loop_costs.recurrence(num_outputs=1, num_carries=1)(a, b)
+  expected, x = np.zeros_like(a), np.zeros(3, np.float32)
+  for t in reversed(range(20)):
+    x = a[t] + b[t] * x
+    expected[t] = x
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(x0), expected[0], rtol=1e-6)
+  result = subprocess.run(
+      [sys.executable, "experiments/xla_cpu_loop_costs.py", "--length=64", "--lanes", "4",
+       "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "ns/lane-step" in result.stdout and result.stdout.count("\n    4 ") == 4
