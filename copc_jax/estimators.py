@@ -33,9 +33,12 @@ maps in O(log T) depth.
 
 The scan reads three time-major arrays: R, V and one "ratio code" holding r_t on
 policy tokens, NaN where r_t is not finite and −1 on masked positions, so the
-mask and both clips ride on a single input (on CPU every scanned input and every
-op of the loop body costs a fixed overhead per time step; see
-`experiments/bench_estimators.py`).
+mask and both clips ride on a single input. It writes one: G at the next policy
+token ≥ t (0 on masked positions for the "trace" form, where that is the
+advantage). Both implementations end in the same vectorised step that forms
+the returns and the vtrace_pg advantages from G. On CPU every op of the loop
+body and every output it writes costs a fixed overhead per time step, which is
+what this layout minimises (see `experiments/xla_cpu_loop_costs.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+try:  # an experimental API: without it the estimator is the same, only slower on CPU
+  from jax.experimental.layout import Layout, with_layout_constraint
+except ImportError:
+  Layout = with_layout_constraint = None
 
 AdvantageForm = Literal["trace", "vtrace_pg"]
 ADVANTAGE_FORMS = ("trace", "vtrace_pg")
@@ -87,22 +95,33 @@ def _ratio_code(target_logprobs, behavior_logprobs, mask):
 
 
 def _clipped_weights(ratio_code, gamma, lam, rho_clip, trace_clip):
-  """[B, T] ρ̃, γ·λ·c̃ and the mask from the ratio code; no weight and no trace where r_t is not finite."""
+  """[B, T] ρ̃ and γ·λ·c̃ from the ratio code; no weight and no trace where r_t is not finite."""
   finite = ratio_code == ratio_code
   rho = jnp.where(finite, jnp.clip(ratio_code, *rho_clip), 0.0)
   discounted_trace = jnp.where(finite, gamma * lam * jnp.clip(ratio_code, *trace_clip), 0.0)
-  return rho, discounted_trace, ratio_code != -1.0
+  return rho, discounted_trace
 
 
-def _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip,
-               advantage_form):
-  """Reverse `lax.scan` over time with carry (G, U); returns (advantages, returns).
+def _row_major(x):
+  """`x` materialised in row-major order on CPU.
 
-  The clips are applied in the body and the masked outputs written there: both
-  measured faster on CPU than extra scanned inputs or a pass after the loop.
+  Without this, XLA's CPU backend fuses a transpose into the elementwise ops that
+  read it and runs the fused kernel several times slower than a plain transpose
+  followed by those ops. Other backends choose their own layouts.
   """
-  want_pg = advantage_form == "vtrace_pg"
+  if with_layout_constraint is None or jax.default_backend() != "cpu":
+    return x
+  return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
+
+def _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip, zero_masked):
+  """Reverse `lax.scan` over time with carry (G, U); returns G at the next policy token ≥ t, [B, T].
+
+  With `zero_masked`, G is written as 0 on masked positions. The loop writes this
+  one output: on XLA's CPU runtime each output written per time step costs about
+  as much as the arithmetic of a step (see `experiments/xla_cpu_loop_costs.py`),
+  so the returns and the vtrace_pg advantages are formed from G after the loop.
+  """
   def step(carry, x):
     g_next, u_next = carry
     r_t, v_t, code_t = x
@@ -116,17 +135,12 @@ def _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, t
     # (g_t − g_t) is 0 for any finite G: it makes U's update read G, so XLA orders it
     # after G's read of U and updates the carry in place instead of copying it each step.
     u_t = jnp.where(masked_t, u_next + r_t, gamma * v_t) + (g_t - g_t)
-    if want_pg:
-      advantage_t = jnp.where(finite_t, rho_t * (td_t + gamma * lam * g_next), 0.0)
-    else:
-      advantage_t = g_t
-    outputs = (jnp.where(masked_t, 0.0, advantage_t), jnp.where(masked_t, 0.0, v_t + g_t))
-    return (g_t, u_t), outputs
+    return (g_t, u_t), (jnp.where(masked_t, 0.0, g_t) if zero_masked else g_t)
 
   xs = (rewards.T, values.T, ratio_code.T)
   init = (jnp.zeros_like(bootstrap_b), gamma * bootstrap_b)
-  _, (advantages_tb, returns_tb) = jax.lax.scan(step, init, xs, reverse=True)
-  return advantages_tb.T, returns_tb.T
+  _, g_tb = jax.lax.scan(step, init, xs, reverse=True)
+  return _row_major(g_tb.T)
 
 
 def _compose(later, earlier):
@@ -141,8 +155,7 @@ def _compose(later, earlier):
   return (a1 + b1 * a2 + k1 * u2, b1 * b2, b1 * k2 + k1 * n2, u1 + n1 * u2, n1 * n2)
 
 
-def _associative_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b,
-                      gamma, lam, advantage_form):
+def _associative_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstrap_b, gamma, zero_masked):
   """Same recursion as `_scan_impl`, solved with `lax.associative_scan` (O(log T) depth)."""
   zeros, ones = jnp.zeros_like(rewards_bt), jnp.ones_like(rewards_bt)
   maps = (
@@ -155,13 +168,26 @@ def _associative_impl(rewards_bt, values_bt, rho_bt, trace_bt, mask_bt, bootstra
   # With reverse=True the combine function receives (maps of later positions, earlier ones).
   alpha, _, kappa, _, _ = jax.lax.associative_scan(_compose, maps, axis=1, reverse=True)
   # Evaluate the composed maps at the terminal carry (G, U) = (0, γ·bootstrap).
-  g_bt = alpha + kappa * (gamma * bootstrap_b)[:, None]   # G at the next policy token ≥ t
-  advantages_bt = g_bt
-  if advantage_form == "vtrace_pg":
-    g_next_bt = jnp.concatenate([g_bt[:, 1:], jnp.zeros_like(g_bt[:, :1])], axis=1)
-    # ρ̃(δ + γλ G_next) = G_t + γ(λρ̃ − λ·clip(r)) G_next; trace_bt is γλ·clip(r).
-    advantages_bt = g_bt + (gamma * lam * rho_bt - trace_bt) * g_next_bt
-  return (jnp.where(mask_bt, advantages_bt, 0.0), jnp.where(mask_bt, values_bt + g_bt, 0.0))
+  g_bt = alpha + kappa * (gamma * bootstrap_b)[:, None]
+  return jnp.where(mask_bt, g_bt, 0.0) if zero_masked else g_bt
+
+
+def _outputs(g_bt, values_bt, mask_bt, ratio_code, gamma, lam, rho_clip, trace_clip, advantage_form):
+  """(advantages, returns), 0 on masked positions, from G at the next policy token ≥ t.
+
+  For "trace", g_bt comes already zeroed on masked positions and is the advantage.
+  For "vtrace_pg" it is not (a masked position carries G_next for the token before it):
+  ρ̃(δ + γλ G_next) = G_t + (γλρ̃ − γλ·clip(r)) G_next, since
+  G_t = ρ̃ δ + γλ·clip(r) G_next on a policy token with a finite ratio.
+  """
+  returns = jnp.where(mask_bt, values_bt + g_bt, 0.0)
+  if advantage_form == "trace":
+    return g_bt, returns
+  rho, discounted_trace = _clipped_weights(ratio_code, gamma, lam, rho_clip, trace_clip)
+  g_next = jnp.concatenate([g_bt[:, 1:], jnp.zeros_like(g_bt[:, :1])], axis=1)
+  finite = ratio_code == ratio_code
+  advantages = jnp.where(finite, g_bt + (gamma * lam * rho - discounted_trace) * g_next, 0.0)
+  return jnp.where(mask_bt, advantages, 0.0), returns
 
 
 @functools.partial(
@@ -176,13 +202,16 @@ def _coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mas
     bootstrap_b = jnp.zeros(rewards.shape[:1], jnp.float32)
   else:
     bootstrap_b = jnp.asarray(bootstrap_value, jnp.float32)
+  mask = jnp.asarray(mask, bool)
   ratio_code = _ratio_code(target_logprobs, behavior_logprobs, mask)
+  zero_masked = advantage_form == "trace"
   if impl == "scan":
-    return _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip,
-                      advantage_form)
-  rho, trace, mask_bt = _clipped_weights(ratio_code, gamma, lam, rho_clip, trace_clip)
-  return _associative_impl(rewards, values, rho, trace, mask_bt, bootstrap_b, gamma, lam,
-                           advantage_form)
+    g_bt = _scan_impl(rewards, values, ratio_code, bootstrap_b, gamma, lam, rho_clip, trace_clip,
+                      zero_masked)
+  else:
+    rho, trace = _clipped_weights(ratio_code, gamma, lam, rho_clip, trace_clip)
+    g_bt = _associative_impl(rewards, values, rho, trace, mask, bootstrap_b, gamma, zero_masked)
+  return _outputs(g_bt, values, mask, ratio_code, gamma, lam, rho_clip, trace_clip, advantage_form)
 
 
 def coupled_advantages(rewards, values, target_logprobs, behavior_logprobs, mask, *,

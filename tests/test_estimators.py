@@ -189,6 +189,20 @@ def test_callable_inside_user_jit_and_vmap_free():
     assert_close(a, np.asarray(b))
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_same_results_without_the_experimental_layout_api(form, monkeypatch):
+  batch, bootstrap = random_batch(7, length=31)
+  kw = dict(bootstrap_value=bootstrap, advantage_form=form)
+  with_constraint = call(batch, **kw)
+  monkeypatch.setattr(estimators, "with_layout_constraint", None)
+  jax.clear_caches()  # retrace with the fallback
+  without = call(batch, **kw)
+  ref_adv, ref_ret = reference.coupled_advantages(**batch, **kw)
+  for a, b, ref in zip(with_constraint, without, (ref_adv, ref_ret)):
+    assert_close(a, ref)
+    assert_close(b, ref)
+
+
 def test_bfloat16_inputs_accumulate_in_float32():
   batch, bootstrap = random_batch(6, length=200)
   as_bf16 = {k: (jnp.asarray(v, jnp.bfloat16) if k != "mask" else v) for k, v in batch.items()}
