@@ -13,22 +13,11 @@ one at every step. The last column says which of the two XLA chose.
 
 import argparse
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-def best_time(fn, *args, repeats):
-  """Best wall time of `repeats` calls after a compile/warm-up call."""
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - start)
-  return best
+from bench_estimators import best_time
 
 
 def recurrence(num_outputs, num_carries):
@@ -68,6 +57,7 @@ def main():
     a, b = (jnp.asarray(rng.random((args.length, lanes), np.float32)) for _ in range(2))
     for num_carries, num_outputs in ((1, 0), (1, 1), (1, 2), (2, 2)):
       fn = recurrence(num_outputs, num_carries)
+      jax.block_until_ready(fn(a, b))   # compile and warm up
       seconds = best_time(fn, a, b, repeats=args.repeats)
       per_step = seconds / args.length * 1e9
       print(f"{lanes:>5} {num_carries:>7} {num_outputs:>7} | {seconds * 1e3:>7.3f} {per_step:>8.1f}"
