@@ -18,9 +18,10 @@ from flax import nnx
 from copc_jax import estimators, presets
 from copc_jax.models import tiny
 from copc_jax.models.decoder import Decoder, ValueModel
+from copc_jax.sampling import token_logprobs_and_entropy
 from copc_jax.train import Learner, LearnerConfig
 from copc_jax.train.fake_data import random_batch
-from copc_jax.train.learner import state_values, token_logprobs_and_entropy
+from copc_jax.train.learner import state_values
 
 CONFIGS = {
     # name: (model overrides, batch size, prompt length, response length)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from copc_jax import sampling
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder, KVCache
-from copc_jax.rollout import sampling
 from copc_jax.rollout.pool import RolloutPool
 
 
@@ -33,7 +33,8 @@ def bare_decode_tokens_per_s(model: Decoder, slots: int, prompt_len: int, new_to
   def step(params, tokens, positions, cache, rng):
     logits, cache = nnx.merge(graphdef, params).decode_rows(tokens, positions, cache)
     ones = jnp.ones((slots,))
-    next_tokens, logprobs = sampling.sample(rng, logits, ones, ones, jnp.zeros((slots,), jnp.int32))
+    next_tokens, logprobs = sampling.sample(jax.random.split(rng, slots), logits, ones, ones,
+                                            jnp.zeros((slots,), jnp.int32))
     return next_tokens, logprobs, cache
 
   @jax.jit

@@ -8,6 +8,7 @@ with mask = 0, and continue from the whole context, up to `max_turns` turns.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,15 +43,23 @@ class Trajectory:
     return self.prompt_ids + self.token_ids
 
 
+def request_seed(*parts) -> int:
+  """A 32-bit sampling seed derived from `parts` (e.g. run seed, prompt draw, turn); stable across runs."""
+  digest = hashlib.blake2b(repr(parts).encode(), digest_size=4).digest()
+  return int.from_bytes(digest, "little")
+
+
 def run_episode(generate: GenerateFn, prompt_ids: Sequence[int], *, tool: ToolFn,
                 tool_call_end: Sequence[int], max_turns: int = 4, max_tokens_per_turn: int = 64,
                 max_prompt_length: int | None = None, max_length: int | None = None,
-                **sampling) -> Trajectory:
+                seed: int | None = None, **sampling) -> Trajectory:
   """Run one episode within the server's limits.
 
   Each turn's context must fit `max_prompt_length` (the server's prefill bucket)
   and context + generated tokens `max_length`; an episode that would exceed
-  either ends with finish reason "context_full".
+  either ends with finish reason "context_full". With a `seed`, turn i is
+  generated with `request_seed(seed, i)`: the episode depends only on the
+  prompt, the seed and the weights.
   """
   if max_turns < 1 or max_tokens_per_turn < 1:
     raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
@@ -64,6 +73,8 @@ def run_episode(generate: GenerateFn, prompt_ids: Sequence[int], *, tool: ToolFn
                          f"{max_prompt_length} (max_prefill_length) with room to generate in {max_length}")
       trajectory.finish_reason = "context_full"
       return trajectory
+    if seed is not None:
+      sampling["seed"] = request_seed(seed, turn)
     out = generate(context, room, stop_sequences=[list(tool_call_end)], **sampling)
     trajectory.append(out.token_ids, generated=True, logprobs=out.logprobs, versions=out.versions)
     trajectory.num_turns = turn + 1

@@ -34,11 +34,17 @@ class RolloutClient:
     self._status = self._channel.unary_unary(f"/{SERVICE}/Status", encode, decode)
 
   def stream(self, token_ids, max_tokens: int, *, temperature=1.0, top_p=1.0, top_k=0,
-             stop_sequences=()):
-    """Yield the server's per-step messages {token_ids, logprobs, versions, finish_reason}."""
+             stop_sequences=(), seed: int | None = None):
+    """Yield the server's per-step messages {token_ids, logprobs, versions, finish_reason}.
+
+    With a `seed`, the tokens depend only on the request and the weights (not on
+    the server, its slot or other requests).
+    """
     request = {"token_ids": [int(t) for t in token_ids], "max_tokens": max_tokens,
                "temperature": temperature, "top_p": top_p, "top_k": top_k,
                "stop_sequences": [[int(t) for t in s] for s in stop_sequences]}
+    if seed is not None:
+      request["seed"] = int(seed)
     yield from self._generate(request, timeout=self.timeout_s)
 
   def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:

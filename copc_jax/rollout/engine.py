@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from copc_jax import sampling
 from copc_jax.models.decoder import Decoder, KVCache
-from copc_jax.rollout import jetstream_compat, sampling
+from copc_jax.rollout import jetstream_compat
 
 engine_api, _, token_utils, _, _ = jetstream_compat.install()
 from jetstream.engine import tokenizer_api, tokenizer_pb2  # noqa: E402
@@ -38,22 +39,23 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 327
 
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
-  """Per-request sampling, and token sequences that end the generation (e.g. a tool call)."""
+  """Per-request sampling, the request's seed, and token sequences that end the generation.
 
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
+  With a `seed`, token i of the generation is drawn with fold_in(key(seed), i):
+  the same request gives the same tokens whatever the server, slot or arrival
+  order. Without one, the server draws a seed from its own stream.
+  """
+
+  params: sampling.SamplingParams = sampling.SamplingParams()
   stop_sequences: tuple[tuple[int, ...], ...] = ()
+  seed: int | None = None
 
   def __post_init__(self):
-    if not self.temperature > 0:
-      raise ValueError(f"temperature must be > 0; got {self.temperature}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0 (0 = no top-k); got {self.top_k}")
     if any(len(s) == 0 for s in self.stop_sequences):
       raise ValueError("stop_sequences must not contain an empty sequence")
+    if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                      and 0 <= self.seed < 2**32):
+      raise ValueError(f"seed must be an integer in [0, 2**32); got {self.seed!r}")
 
 
 class ParamStore:
@@ -107,6 +109,7 @@ class Prefix:
   temperature: jax.Array
   top_p: jax.Array
   top_k: jax.Array
+  key_data: jax.Array      # [2] uint32: the request's sampling key
   stop_sequences: tuple = struct.field(pytree_node=False, default=())
 
 
@@ -120,7 +123,7 @@ class DecodeState:
   temperature: jax.Array      # [S]
   top_p: jax.Array            # [S]
   top_k: jax.Array            # [S]
-  rng: jax.Array
+  key_data: jax.Array         # [S, 2] uint32: each slot's request key; token i uses fold_in(key, i)
 
 
 class SlotStops:
@@ -190,7 +193,7 @@ class CopcEngine(engine_api.Engine):
     self.store = ParamStore(jax.device_put(params, device), version)
     self._slots, self._prefill_len, self._max_length = max_concurrent_decodes, max_prefill_length, max_length
     self._tokenizer = tokenizer
-    self._seed = seed
+    self._seed_stream, self._seed_lock = np.random.default_rng(seed), threading.Lock()
     self._mesh = jax.make_mesh((1,), ("x",), devices=[device])
     self.pending_sampling = threading.local()   # set by the driver's prefill thread per request
     self.slot_stops = SlotStops(max_concurrent_decodes)
@@ -232,13 +235,14 @@ class CopcEngine(engine_api.Engine):
         logits_version=state.logits_version.at[slot].set(prefix.version),
         temperature=state.temperature.at[slot].set(prefix.temperature),
         top_p=state.top_p.at[slot].set(prefix.top_p),
-        top_k=state.top_k.at[slot].set(prefix.top_k))
+        top_k=state.top_k.at[slot].set(prefix.top_k),
+        key_data=state.key_data.at[slot].set(prefix.key_data))
 
   def _generate_impl(self, params, state: DecodeState, version):
     self.trace_counts["generate"] += 1
     model = nnx.merge(self._graphdef, params)
-    rng, step_rng = jax.random.split(state.rng)
-    tokens, logprobs = sampling.sample(step_rng, state.logits, state.temperature, state.top_p, state.top_k)
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.key_data), state.generated)
+    tokens, logprobs = sampling.sample(keys, state.logits, state.temperature, state.top_p, state.top_k)
     # Free slots keep stepping on garbage; keep their writes inside the cache.
     slots = jnp.minimum(state.lengths, self._max_length - 1)
     logits, cache = model.decode_rows(tokens, slots, state.cache)
@@ -247,8 +251,7 @@ class CopcEngine(engine_api.Engine):
                       jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32),
                       state.logits_version], axis=1)
     new_state = state.replace(cache=cache, lengths=state.lengths + 1, generated=generated,
-                              logits=logits, logits_version=jnp.full_like(state.logits_version, version),
-                              rng=rng)
+                              logits=logits, logits_version=jnp.full_like(state.logits_version, version))
     return new_state, data
 
   # --- Engine API ------------------------------------------------------------
@@ -263,10 +266,18 @@ class CopcEngine(engine_api.Engine):
     keys, values, last_logits = self._prefill_jit(weights, jnp.asarray(padded_tokens, jnp.int32),
                                                   jnp.int32(true_length))
     options = getattr(self.pending_sampling, "options", None) or SamplingOptions()
+    seed = options.seed if options.seed is not None else self._unseeded_requests()
+    p = options.params
     return Prefix(keys=keys, values=values, true_length=jnp.int32(true_length), last_logits=last_logits,
-                  version=jnp.int32(version), temperature=jnp.float32(options.temperature),
-                  top_p=jnp.float32(options.top_p), top_k=jnp.int32(options.top_k),
+                  version=jnp.int32(version), temperature=jnp.float32(p.temperature),
+                  top_p=jnp.float32(p.top_p), top_k=jnp.int32(p.top_k),
+                  key_data=jax.random.key_data(jax.random.key(np.uint32(seed))),
                   stop_sequences=options.stop_sequences)
+
+  def _unseeded_requests(self) -> int:
+    """A seed for a request that brought none (the stock `Decode` path): the server's own stream."""
+    with self._seed_lock:
+      return int(self._seed_stream.integers(2**32))
 
   def insert(self, prefix, decode_state, slot):
     self.slot_stops.start(slot, prefix.stop_sequences)
@@ -285,7 +296,8 @@ class CopcEngine(engine_api.Engine):
         lengths=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
         logits=jnp.zeros((s, v), jnp.float32), logits_version=jnp.zeros((s,), jnp.int32),
         temperature=jnp.ones((s,), jnp.float32), top_p=jnp.ones((s,), jnp.float32),
-        top_k=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed))
+        top_k=jnp.zeros((s,), jnp.int32),
+        key_data=jnp.zeros((s, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32))
 
   def get_prefix_destination_sharding(self):
     return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())

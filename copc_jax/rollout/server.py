@@ -7,8 +7,9 @@ Services on one gRPC server bound to 127.0.0.1 by default:
 - `jetstream_proto.Orchestrator` (`Decode`, `HealthCheck`): JetStream's own, unchanged
   except that requests are validated first.
 - `copc.Rollout` (JSON messages, no protoc needed):
-    Generate(stream):  {token_ids, max_tokens, temperature, top_p, top_k, stop_sequences}
+    Generate(stream):  {token_ids, max_tokens, temperature, top_p, top_k, stop_sequences, seed}
                        → stream of {token_ids, logprobs, versions, finish_reason}
+                       (with a seed, the tokens depend only on the request and the weights)
     UpdateWeights:     {path, version} → {version}   (a save_pretrained directory)
     UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version) → {version}
     Status:            {} → {version, slots_in_use, queue_length, max_concurrent_decodes, ...}
@@ -29,6 +30,7 @@ from safetensors.flax import load as load_safetensors_bytes
 from copc_jax.models import hf_io
 from copc_jax.rollout import jetstream_compat
 from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+from copc_jax.sampling import SamplingParams
 
 _, orchestrator, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
 from jetstream.core.utils import async_multifuture  # noqa: E402
@@ -116,9 +118,9 @@ class RolloutService:
       max_tokens = request.get("max_tokens")
       validate_generation(self._engine, token_ids, max_tokens)
       stops = tuple(tuple(int(t) for t in seq) for seq in request.get("stop_sequences", ()))
-      sampling = SamplingOptions(temperature=float(request.get("temperature", 1.0)),
-                                 top_p=float(request.get("top_p", 1.0)), top_k=int(request.get("top_k", 0)),
-                                 stop_sequences=stops)
+      params = SamplingParams(temperature=float(request.get("temperature", 1.0)),
+                              top_p=float(request.get("top_p", 1.0)), top_k=int(request.get("top_k", 0)))
+      sampling = SamplingOptions(params=params, stop_sequences=stops, seed=request.get("seed"))
     except (RequestError, ValueError, TypeError) as err:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
     active = RLActiveRequest(

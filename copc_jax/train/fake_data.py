@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from copc_jax.sampling import token_logprobs_and_entropy
 from copc_jax.train.batch import TrajectoryBatch
-from copc_jax.train.learner import token_logprobs_and_entropy
 
 
 def random_batch(actor, *, batch_size: int, prompt_length: int, response_length: int,

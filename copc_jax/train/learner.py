@@ -4,7 +4,8 @@
     metrics = learner.train_step(batch)          # one jitted, sharded, donated call
 
 Inside the step:
-  1. log π_prox(y_t) and V_t with the current weights (no gradient);
+  1. log π_prox(y_t) and V_t with the current weights (no gradient), π under the
+     rollouts' sampling settings (`copc_jax.sampling`: temperature, top-k, top-p);
   2. `coupled_advantages` with the preset's estimator, optional whitening;
   3. `epochs` × `num_minibatches` updates of the actor (preset's actor loss) and
      of the critic (clipped value loss), each with its own AdamW.
@@ -21,6 +22,7 @@ from flax import nnx
 
 from copc_jax import estimators, losses, sharding
 from copc_jax.presets import EstimatorConfig
+from copc_jax.sampling import SamplingParams, token_logprobs_and_entropy
 from copc_jax.train import multihost
 from copc_jax.train.batch import TrajectoryBatch
 
@@ -67,23 +69,12 @@ class LearnerConfig:
   critic_optimizer: OptimizerConfig = OptimizerConfig()
   epochs: int = 1
   num_minibatches: int = 1
+  sampling: SamplingParams = SamplingParams()   # π_prox and π_θ under the rollouts' sampling settings
 
   def __post_init__(self):
     if self.epochs < 1 or self.num_minibatches < 1:
       raise ValueError(f"epochs and num_minibatches must be >= 1; got {self.epochs}, "
                        f"{self.num_minibatches}")
-
-
-def token_logprobs_and_entropy(logits_btv, tokens_bt):
-  """log π(y_t) and the entropy of π(· | y_<t), from logits where position t predicts t + 1.
-
-  Outputs are aligned with tokens; position 0 has no prediction and gets 0.
-  """
-  log_probs = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
-  logp = jnp.take_along_axis(log_probs, tokens_bt[:, 1:, None], axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-  pad = jnp.zeros_like(logp[:, :1])
-  return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
 
 
 def state_values(critic, batch: TrajectoryBatch):
@@ -103,7 +94,7 @@ def _take(batch: TrajectoryBatch, extra: dict, index):
 def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
   actor, critic, actor_opt, critic_opt = models
   logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
-  logp_prox, _ = token_logprobs_and_entropy(logits, batch.tokens)
+  logp_prox, _ = token_logprobs_and_entropy(logits, batch.tokens, config.sampling)
   old_values = state_values(critic, batch)
   logp_prox, old_values = jax.lax.stop_gradient((logp_prox, old_values))
   advantages, returns = estimators.coupled_advantages(
@@ -115,7 +106,7 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
 
   def actor_loss_fn(actor, mb, mb_extra):
     logits = actor(mb.tokens, attention_mask_bt=mb.attention_mask)
-    logp, entropy = token_logprobs_and_entropy(logits, mb.tokens)
+    logp, entropy = token_logprobs_and_entropy(logits, mb.tokens, config.sampling)
     return losses.actor_loss(logp, mb_extra["logp_prox"], mb.behavior_logprobs,
                              mb_extra["advantages"], mb.mask, config.actor, entropy=entropy)
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from copc_jax.train.learner import OptimizerConfig, token_logprobs_and_entropy
+from copc_jax.sampling import token_logprobs_and_entropy
+from copc_jax.train.learner import OptimizerConfig
 
 TOOL_OUTPUT_SPANS = (r"<output>.*?</output>", r"<information>.*?</information>")
 

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
+from copc_jax import sampling
 from copc_jax.models import hf_io, tiny
-from copc_jax.rollout import agent, sampling
+from copc_jax.rollout import agent
 from copc_jax.rollout.client import Generation, RolloutClient
 from copc_jax.rollout.process import ServerProcess
 

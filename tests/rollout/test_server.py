@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save as save_safetensors_bytes
 
+from copc_jax import sampling
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder, KVCache
-from copc_jax.rollout import jetstream_compat, sampling
+from copc_jax.rollout import jetstream_compat
 from copc_jax.rollout.client import RolloutClient
 from copc_jax.rollout.process import ServerProcess
 
@@ -78,6 +79,7 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server):
       (dict(token_ids=[1, 2], max_tokens=4, temperature=0.0), "temperature must be > 0"),
       (dict(token_ids=[1, 2], max_tokens=4, top_p=1.5), "top_p must be in"),
       (dict(token_ids=[1, 2], max_tokens=4, top_k=-1), "top_k must be >= 0"),
+      (dict(token_ids=[1, 2], max_tokens=4, seed=2**32), "seed must be an integer in [0, 2**32)"),
   ]
   for kwargs, message in bad:
     with pytest.raises(grpc.RpcError) as err:
