@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from configs import default  # noqa: E402
 from copc_jax import config as config_lib  # noqa: E402
-from copc_jax.train import metrics, trainer  # noqa: E402
+from copc_jax.envs.tasks import make_task  # noqa: E402
+from copc_jax.train import metrics, trainer, warm_start  # noqa: E402
 
 METHODS = (("sync PPO", "sync_ppo", "sync"), ("async PPO", "async_ppo", "async"),
            ("async COPC", "copc", "async"))
@@ -38,13 +39,20 @@ def with_latency(tool, median_s: float, seed: int):
   return slow_tool
 
 
+def warm_start_of(warm_dir: str) -> str:
+  """The default config's warm-started model (built once in `warm_dir`, then cached)."""
+  config = config_lib.from_config_dict(default.get_config())
+  base = trainer.base_checkpoint(config, warm_dir)
+  return warm_start.prepare(make_task(config.task, config.seed), base, os.path.join(warm_dir, "warm_start"),
+                            config.warm_start, seed=config.seed)
+
+
 def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s):
   raw = default.get_config(preset)
   raw.trainer.update(dict(mode=mode, steps=steps, eval_every=0, checkpoint_every=steps, progress_bar=False))
   os.makedirs(workdir)
-  for name in ("base", "warm_start"):
-    shutil.copytree(os.path.join(warm_dir, name), os.path.join(workdir, name))
-  run = trainer.Trainer(config_lib.from_config_dict(raw), workdir)
+  shutil.copytree(os.path.join(warm_dir, "base"), os.path.join(workdir, "base"))
+  run = trainer.Trainer(config_lib.from_config_dict(raw), workdir, actor_checkpoint=warm_start_of(warm_dir))
   if tool_latency_s:
     run.task.tool = with_latency(run.task.tool, tool_latency_s, seed=0)
   run.run()
@@ -61,7 +69,7 @@ def main():
   root = tempfile.mkdtemp(prefix="copc_bench_step_")
   try:
     warm_dir = os.path.join(root, "warm")
-    trainer.Trainer(config_lib.from_config_dict(default.get_config()), warm_dir)   # warm start, cached
+    warm_start_of(warm_dir)          # one warm start, shared by every method
     for latency in (0.0, args.tool_latency_s):
       results = {name: run_method(preset, mode, args.steps, warm_dir,
                                   os.path.join(root, f"{preset}_{mode}_{latency}"), latency)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from copc_jax.envs import data, math_tool, search, synthetic_tasks
 
 TASKS = ("tool_arithmetic", "knowledge_search", "math", "search")
+MATH_TOOL_OUTPUT = (math_tool.OUTPUT_OPEN, math_tool.OUTPUT_CLOSE)
+SEARCH_TOOL_OUTPUT = (search.INFO_OPEN, search.INFO_CLOSE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,8 @@ class Task:
   name: str
   train: list[dict]
   eval: list[dict]
-  tool_call_end: str
+  tool_call_end: str                                     # a turn ending with this calls the tool
+  tool_output: tuple[str, str]                           # (open, close) tags around the tool's reply
   prompt: Callable[[dict], str]
   tool: Callable[[str], str]
   score: Callable[[str, dict], tuple[float, bool]]       # (response, record) -> (reward, correct)
@@ -119,7 +122,8 @@ def _tool_arithmetic(config: TaskConfig, seed: int) -> Task:
       return synthetic_tasks.arithmetic_demonstration(record)
     return _direct_answer(record)
 
-  return Task("tool_arithmetic", train, eval_, math_tool.CODE_CLOSE, _prompt(math_tool.format_prompt, config),
+  return Task("tool_arithmetic", train, eval_, math_tool.CODE_CLOSE, MATH_TOOL_OUTPUT,
+              _prompt(math_tool.format_prompt, config),
               _code_tool(config), _math_score(config), demonstration)
 
 
@@ -138,7 +142,7 @@ def _knowledge_search(config: TaskConfig, seed: int) -> Task:
   retriever = search.Retriever(kb.passages())
   tool = search.SearchTool(retriever=retriever, topk=config.topk)
   return Task("knowledge_search", train[:config.train_size], eval_[:config.eval_size], search.SEARCH_CLOSE,
-              _prompt(search.format_prompt, config), tool, _search_score(config),
+              SEARCH_TOOL_OUTPUT, _prompt(search.format_prompt, config), tool, _search_score(config),
               lambda r: synthetic_tasks.search_demonstration(r, kb, retriever, config.topk))
 
 
@@ -152,7 +156,8 @@ def _records(config: TaskConfig) -> tuple[list[dict], list[dict]]:
 def _math(config: TaskConfig, seed: int) -> Task:
   del seed
   train, eval_ = _records(config)
-  return Task("math", train, eval_, math_tool.CODE_CLOSE, _prompt(math_tool.format_prompt, config),
+  return Task("math", train, eval_, math_tool.CODE_CLOSE, MATH_TOOL_OUTPUT,
+              _prompt(math_tool.format_prompt, config),
               _code_tool(config), _math_score(config))
 
 
@@ -164,7 +169,8 @@ def _search(config: TaskConfig, seed: int) -> Task:
   else:
     tool = search.SearchTool(retriever=search.Retriever.from_jsonl(
         _require_file("corpus_path", config.corpus_path)), topk=config.topk)
-  return Task("search", train, eval_, search.SEARCH_CLOSE, _prompt(search.format_prompt, config), tool,
+  return Task("search", train, eval_, search.SEARCH_CLOSE, SEARCH_TOOL_OUTPUT,
+              _prompt(search.format_prompt, config), tool,
               _search_score(config))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from copc_jax.rollout.client import Generation
+from copc_jax.rollout.protocol import Generation
 from copc_jax.train.batch import TrajectoryBatch
 
 GenerateFn = Callable[..., Generation]      # (token_ids, max_tokens, **sampling) -> Generation

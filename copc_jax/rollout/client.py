@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import grpc
 
-from copc_jax.rollout.server import MAX_MESSAGE_BYTES, SERVICE
+from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE, Generation
 
 CHUNK_BYTES = 4 << 20
-
-
-@dataclasses.dataclass
-class Generation:
-  token_ids: list[int]
-  logprobs: list[float]
-  versions: list[int]
-  finish_reason: str | None
 
 
 class RolloutClient:

@@ -21,8 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from copc_jax.rollout.client import Generation, RolloutClient
+from copc_jax.rollout.client import RolloutClient
 from copc_jax.rollout.process import ServerProcess
+from copc_jax.rollout.protocol import Generation
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -30,12 +30,12 @@ from safetensors.flax import load as load_safetensors_bytes
 from copc_jax.models import hf_io
 from copc_jax.rollout import jetstream_compat
 from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE
 from copc_jax.sampling import SamplingParams
 
 _, orchestrator, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
 from jetstream.core.utils import async_multifuture  # noqa: E402
 
-SERVICE = "copc.Rollout"
 _to_json = lambda obj: json.dumps(obj).encode()
 _from_json = lambda data: json.loads(data.decode() or "{}")
 _raw = lambda data: data
@@ -181,9 +181,6 @@ class RolloutService:
         "Status": grpc.unary_unary_rpc_method_handler(
             self.status, request_deserializer=_from_json, response_serializer=_to_json),
     })
-
-
-MAX_MESSAGE_BYTES = 1 << 30
 
 
 async def serve(engine: CopcEngine, port: int, host: str = "127.0.0.1", ready_file: str | None = None):

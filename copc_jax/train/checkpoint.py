@@ -11,11 +11,22 @@ a partial one.
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+
+
+def write_atomically(path: str, write) -> str:
+  """`write(tmp)` then rename to `path`: a kill never leaves a half-written directory at `path`."""
+  tmp = f"{path}.tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  write(tmp)
+  shutil.rmtree(path, ignore_errors=True)
+  os.replace(tmp, path)
+  return path
 
 
 class Checkpointer:

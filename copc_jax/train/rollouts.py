@@ -19,7 +19,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from copc_jax.envs.tasks import Task
-from copc_jax.rollout.agent import GenerateFn, Trajectory, run_episode
+from copc_jax.rollout.agent import GenerateFn, Trajectory, request_seed, run_episode
+from copc_jax.sampling import SamplingParams
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
 
@@ -48,11 +49,14 @@ class RolloutConfig:
     if self.max_length <= self.max_prefill_length:
       raise ValueError(f"max_length ({self.max_length}) must exceed max_prefill_length "
                        f"({self.max_prefill_length})")
-    if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-      raise ValueError(f"need temperature > 0, 0 < top_p <= 1, top_k >= 0; got {self.temperature}, "
-                       f"{self.top_p}, {self.top_k}")
+    _ = self.sampling   # validates temperature, top_p, top_k
     if self.ready_timeout_s <= 0:
       raise ValueError(f"ready_timeout_s must be > 0; got {self.ready_timeout_s}")
+
+  @property
+  def sampling(self) -> SamplingParams:
+    """The sampling distribution of every rollout, and of the learner's π_prox and π_θ."""
+    return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
   @property
   def concurrency(self) -> int:
@@ -81,10 +85,16 @@ class Episode:
 
 
 class EpisodeRunner:
-  """Runs task episodes through a generate function (the pool's); thread-safe."""
+  """Runs task episodes through a generate function (the pool's); thread-safe.
 
-  def __init__(self, generate: GenerateFn, task: Task, tokenizer, config: RolloutConfig):
+  Sampling is keyed by the episode: its seed derives from `seed` (the run's),
+  the record's draw number in the prompt stream (`PromptSource`) and its
+  question, so an episode's tokens do not depend on which server or slot ran it.
+  """
+
+  def __init__(self, generate: GenerateFn, task: Task, tokenizer, config: RolloutConfig, *, seed=0):
     self.generate, self.task, self.tokenizer, self.config = generate, task, tokenizer, config
+    self.seed = seed
     self.tool_call_end = tokenizer.encode(task.tool_call_end, add_special_tokens=False)
 
   def prompt_ids(self, record: dict) -> list[int]:
@@ -102,10 +112,12 @@ class EpisodeRunner:
     c = self.config
     sampling = dict(temperature=1.0, top_p=1.0, top_k=1) if greedy else dict(
         temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
+    seed = request_seed(self.seed, record.get("draw"), record["question"])
     trajectory = run_episode(self.generate, self.prompt_ids(record), tool=self._tool,
                              tool_call_end=self.tool_call_end, max_turns=c.max_turns,
                              max_tokens_per_turn=c.max_tokens_per_turn,
-                             max_prompt_length=c.max_prefill_length, max_length=c.max_length, **sampling)
+                             max_prompt_length=c.max_prefill_length, max_length=c.max_length, seed=seed,
+                             **sampling)
     response = self.tokenizer.decode(trajectory.token_ids, skip_special_tokens=True)
     trajectory.reward, correct = self.task.score(response, record)
     return Episode(trajectory, record, bool(correct))
@@ -119,16 +131,25 @@ def collect(runner: EpisodeRunner, records: list[dict], workers: int, *, greedy:
 
 
 class PromptSource:
-  """Records from the data iterator, after any re-queued ones; thread-safe and checkpointable."""
+  """Records from the data iterator, after any re-queued ones; thread-safe and checkpointable.
 
-  def __init__(self, iterator, requeued: list[dict] | None = None):
+  Each record handed out carries `draw`, its position in this process's prompt
+  stream (the same prompt in a later epoch gets a new one): the key of its episode's sampling.
+  """
+
+  def __init__(self, iterator, requeued: list[dict] | None = None, draws: int = 0):
     self._iterator = iterator
     self._requeued = list(requeued or [])
+    self._draws = draws
     self._lock = threading.Lock()
 
   def next(self) -> dict:
     with self._lock:
-      return self._requeued.pop(0) if self._requeued else next(self._iterator)
+      if self._requeued:
+        return self._requeued.pop(0)
+      record = dict(next(self._iterator), draw=self._draws)
+      self._draws += 1
+      return record
 
   def take(self, n: int) -> list[dict]:
     return [self.next() for _ in range(n)]
@@ -136,7 +157,8 @@ class PromptSource:
   def state(self, in_flight: list[dict] = ()) -> dict:
     """The iterator position and the records to run first on resume (`in_flight` ones included)."""
     with self._lock:
-      return {"iterator": self._iterator.get_state(), "requeued": list(in_flight) + self._requeued}
+      return {"iterator": self._iterator.get_state(), "requeued": list(in_flight) + self._requeued,
+              "draws": self._draws}
 
 
 class AsyncCollector:
@@ -161,35 +183,29 @@ class AsyncCollector:
       thread.start()
 
   def _work(self) -> None:
-    while not self._stop.is_set():
-      if not self.admission.try_start(self.weights_version()):
-        self._stop.wait(0.02)
-        continue
-      with self._lock:
-        episode_id, self._next_id = self._next_id, self._next_id + 1
-        record = self.prompts.next()
-        self._in_flight[episode_id] = record
-      try:
+    try:
+      while self.admission.wait_to_start(self.weights_version, self._stop):
+        with self._lock:
+          episode_id, self._next_id = self._next_id, self._next_id + 1
+          record = self.prompts.next()
+          self._in_flight[episode_id] = record
         episode = self.runner.run(record)
-      except BaseException as err:  # noqa: BLE001 - handed to the trainer, which saves and stops
-        if not self._stop.is_set():
-          self.error = self.error or err
-          self._stop.set()
-        return
-      with self._lock:
-        self.buffer.put(episode, episode.oldest_version)
-        del self._in_flight[episode_id]
+        with self._lock:
+          self.buffer.put(episode, episode.oldest_version)
+          del self._in_flight[episode_id]
+    except BaseException as err:  # noqa: BLE001 - handed to the trainer through the buffer
+      if not self._stop.is_set():
+        self.error = self.error or err
+        self.buffer.fail(err)
+        self.request_stop()
 
-  def take(self, n: int, learner_version: int, timeout_s: float = 1.0):
-    """(episodes, staleness) of `n` buffered episodes, waiting while the workers are healthy."""
-    while True:
-      if self.error is not None:
-        raise self.error
-      dropped_before = self.buffer.dropped
-      result = self.buffer.take(n, learner_version, timeout_s=timeout_s)
+  def take(self, n: int, learner_version: int):
+    """(episodes, staleness) of `n` buffered episodes; raises a worker's error instead of waiting."""
+    dropped_before = self.buffer.dropped
+    try:
+      return self.buffer.take(n, learner_version)
+    finally:
       self.admission.on_dropped(self.buffer.dropped - dropped_before)
-      if result is not None:
-        return result
 
   def state(self) -> dict:
     """Checkpointable: data position (in-flight prompts re-queued) and the buffered episodes."""
@@ -200,8 +216,9 @@ class AsyncCollector:
   def request_stop(self) -> None:
     """Workers start no new episode; those in flight end when the pool closes."""
     self._stop.set()
+    self.admission.wake()
 
   def stop(self) -> None:
-    self._stop.set()
+    self.request_stop()
     for thread in self._threads:
       thread.join(timeout=60)

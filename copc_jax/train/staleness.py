@@ -31,7 +31,7 @@ class AdmissionControl:
     if self.max_staleness < 0 or self.batch_size < 1:
       raise ValueError(f"max_staleness must be >= 0 and batch_size >= 1; got {self.max_staleness}, "
                        f"{self.batch_size}")
-    self._lock = threading.Lock()
+    self._cond = threading.Condition()
 
   def consumed_at(self, position: int) -> int:
     """Learner version of the update that will consume the `position`-th pending rollout (0-based)."""
@@ -44,23 +44,43 @@ class AdmissionControl:
     default the learner's, as when weights are pushed after every update).
     """
     start = self.learner_version if weights_version is None else weights_version
-    with self._lock:
+    with self._cond:
       if self.consumed_at(self.pending) - start > self.max_staleness:
         return False
       self.pending += 1
       return True
 
+  def wait_to_start(self, weights_version, stopped: threading.Event) -> bool:
+    """Block until a rollout is admitted (True) or `stopped` is set (False).
+
+    `weights_version()` is read each time the state changes: after an update, a
+    drop, or `wake()` (a weight push, a stop request).
+    """
+    with self._cond:
+      while not stopped.is_set():
+        if self.try_start(weights_version()):
+          return True
+        self._cond.wait()
+      return False
+
+  def wake(self) -> None:
+    """Waiting rollouts look again (the servers' version changed, or the run is stopping)."""
+    with self._cond:
+      self._cond.notify_all()
+
   def on_update(self, consumed: int) -> None:
     """The learner consumed `consumed` rollouts and moved to the next version."""
-    with self._lock:
+    with self._cond:
       if consumed > self.pending:
         raise ValueError(f"consumed {consumed} rollouts but only {self.pending} were started")
       self.pending -= consumed
       self.learner_version += 1
+      self._cond.notify_all()
 
   def on_dropped(self, count: int = 1) -> None:
-    with self._lock:
+    with self._cond:
       self.pending -= count
+      self._cond.notify_all()
 
 
 @dataclasses.dataclass
@@ -79,6 +99,7 @@ class TrajectoryBuffer:
     self._items: collections.deque[BufferedTrajectory] = collections.deque()
     self._cond = threading.Condition()
     self.dropped = 0
+    self.error: BaseException | None = None
 
   def __len__(self) -> int:
     return len(self._items)
@@ -93,10 +114,21 @@ class TrajectoryBuffer:
       self._items.append(BufferedTrajectory(trajectory, oldest_version))
       self._cond.notify_all()
 
+  def fail(self, error: BaseException) -> None:
+    """A producer failed: `take` raises `error` (now, or as soon as it waits)."""
+    with self._cond:
+      self.error = self.error or error
+      self._cond.notify_all()
+
   def take(self, n: int, learner_version: int, timeout_s: float | None = None):
-    """`n` trajectories at most η versions old (in arrival order) and their staleness; None on timeout."""
+    """`n` trajectories at most η versions old (in arrival order) and their staleness; None on timeout.
+
+    Raises the error given to `fail`, if any, instead of waiting.
+    """
     with self._cond:
       while True:
+        if self.error is not None:
+          raise self.error
         fresh = [i for i in self._items if learner_version - i.oldest_version <= self.max_staleness]
         self.dropped += len(self._items) - len(fresh)   # rollouts that finished out of order, too late
         self._items = collections.deque(fresh)

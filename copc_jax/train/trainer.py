@@ -1,16 +1,14 @@
 """The RL trainer: rollouts from JetStream servers, COPC (or any preset) updates, weight pushes.
 
     python -m copc_jax.main --config=configs/default.py --workdir=DIR
+    train_and_evaluate(config, workdir)          # the same from Python: warm start, then RL
 
-Modes (`config.trainer.mode`), with version v = number of learner updates so far:
+The parts, each in its own module:
 
-- `sync`: push v, generate a batch with it, train; staleness 0.
-- `async`: worker threads keep episodes running while the learner trains;
-  weights are pushed every `sync_every` updates; an episode starts only if it
-  will be at most `max_staleness` versions old when consumed, and nothing older
-  is ever trained on (`train/staleness.py`).
-- `lag`: the batch of update v is generated with the weights of version
-  max(0, v − lag), exactly: controlled staleness for sweeps up to 64 steps.
+    warm_start.prepare ─► Trainer(config, workdir, actor_checkpoint=...)   (wiring only)
+      run():  backend (JetStream pool) · WeightStore (weights.py) · batch source per mode
+              (batch_sources.py: sync | lag | async) · Learner · Checkpointer · MetricsLogger
+      loop:   next_batch(v) → train → after_update(v + 1) → [eval] → log → [checkpoint]
 
 With several learner processes (`--distributed`), each collects its share of
 every batch from its shard of the prompts; process 0 writes files and metrics and
@@ -19,15 +17,17 @@ pushes weights to shared servers (`train/multihost.py`).
 A run is resumable at any moment: the learner state, RNG, data position, the
 episodes buffered and the prompts in flight are checkpointed with orbax every
 `checkpoint_every` updates and when the run stops on an error; the same command
-continues from the latest checkpoint with the same version numbering.
+continues from the latest checkpoint with the same version numbering. A non-finite
+loss or gradient norm stops the run without saving: the last good checkpoint stays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -41,15 +41,20 @@ from copc_jax import sharding
 from copc_jax.envs import data
 from copc_jax.envs.tasks import make_task
 from copc_jax.models import hf_io, tiny
-from copc_jax.models.decoder import Decoder, ValueModel
+from copc_jax.models.decoder import ValueModel
 from copc_jax.rollout.agent import to_batch
 from copc_jax.rollout.pool import PoolExhausted, RolloutPool
+from copc_jax.rollout.protocol import RolloutBackend
 from copc_jax.train import checkpoint, multihost, rollouts, warm_start
+from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
 from copc_jax.train.metrics import MetricsLogger, read_metrics
-from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
+from copc_jax.train.timing import PhaseTimer
+from copc_jax.train.weights import WeightStore
 
 MODES = ("sync", "async", "lag")
+STEP_PHASES = ("rollout_wait_s", "train_s", "weight_sync_s")    # they add up to step_time_s
+MUST_BE_FINITE = ("actor_loss", "value_loss", "grad_norm", "critic_grad_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,14 @@ class TrainerConfig:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
 
 
+class TrainingError(RuntimeError):
+  """The run stopped; the message says what happened, what was saved and what to fix."""
+
+
+class NonFiniteError(ArithmeticError):
+  """A loss or gradient norm of an update was NaN or infinite."""
+
+
 class NullLogger:
   """Metrics of processes other than the chief go nowhere."""
 
@@ -114,88 +127,84 @@ class NullLogger:
     pass
 
 
-class TrainingError(RuntimeError):
-  """The run stopped; the message says what happened, what was saved and what to fix."""
-
-
-def _raise_keyboard_interrupt(signum, frame):
-  raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _atomic_dir(path: str, write) -> str:
-  """`write(tmp)` then rename to `path`: a kill never leaves a half-written directory at `path`."""
-  tmp = f"{path}.tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  write(tmp)
-  shutil.rmtree(path, ignore_errors=True)
-  os.replace(tmp, path)
-  return path
-
-
 def _say(message: str) -> None:
   if multihost.is_chief():
     print(message, file=sys.stderr, flush=True)
 
 
-class Trainer:
-  """`Trainer(config, workdir).run()`; `pool_factory` replaces the JetStream pool (tests only)."""
+@contextlib.contextmanager
+def _sigterm_as_keyboard_interrupt():
+  """SIGTERM stops the run like Ctrl-C (a checkpoint is saved); only possible on the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  def interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+  previous = signal.signal(signal.SIGTERM, interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
-  def __init__(self, config, workdir: str, *, pool_factory=None):
+
+def base_checkpoint(config, workdir: str) -> str:
+  """The model RL starts from: `config.model.checkpoint`, or a tiny one built in the workdir."""
+  source = config.model.checkpoint
+  if source == "tiny":
+    path = os.path.join(workdir, "base")
+    if multihost.is_chief() and not os.path.exists(path):
+      checkpoint.write_atomically(path, lambda tmp: tiny.make_tiny_checkpoint(tmp, config.model.tiny_arch,
+                                                                             seed=config.seed))
+    multihost.barrier("base checkpoint")
+    return path
+  if not os.path.isfile(os.path.join(source, "config.json")):
+    raise FileNotFoundError(f"config.model.checkpoint: no Hugging Face checkpoint at {source!r} (expected "
+                            f"config.json and *.safetensors there); give a local directory, or 'tiny'")
+  return source
+
+
+class Trainer:
+  """`Trainer(config, workdir).run()`; `backend_factory` replaces the JetStream pool (tests only).
+
+  The constructor wires the parts and restores the latest checkpoint if there is
+  one; `actor_checkpoint` is where a fresh run's actor starts (the base model,
+  or a warm start's result: see `train_and_evaluate`).
+  """
+
+  def __init__(self, config, workdir: str, *, actor_checkpoint: str | None = None, task=None,
+               backend_factory=None):
     self.config, self.cfg = config, config.trainer
-    self._pool_factory = pool_factory
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    self.task = make_task(config.task, config.seed)
+    self.task = task or make_task(config.task, config.seed)
     self.processes = jax.process_count()
     if self.cfg.batch_size % self.processes:
       raise ValueError(f"config.trainer.batch_size ({self.cfg.batch_size}) must be divisible by the "
                        f"{self.processes} learner processes")
     self.local_batch_size = self.cfg.batch_size // self.processes
-    self.base_checkpoint = self._base_checkpoint()
-    actor, self.tokenizer = hf_io.from_pretrained(self.base_checkpoint)
-    self.checkpointer = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"))
-    self.resuming = self.checkpointer.latest_step() is not None
-    self.warm_start_losses: list[float] = []
-    if not self.resuming and config.warm_start.steps:
-      actor = self._warm_start(actor)
+    self.base_checkpoint = base_checkpoint(config, self.workdir)
+    actor, self.tokenizer = hf_io.from_pretrained(actor_checkpoint or self.base_checkpoint)
     critic = ValueModel.from_policy(actor, rngs=nnx.Rngs(config.seed + 1))
-    mesh = sharding.make_mesh(config.sharding)
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if (self.cfg.batch_size // self.cfg.num_minibatches) % batch_shards:
-      raise ValueError(f"config.trainer.batch_size ({self.cfg.batch_size}) / num_minibatches "
-                       f"({self.cfg.num_minibatches}) must be divisible by the {batch_shards} data x fsdp "
-                       f"shards of the mesh {dict(mesh.shape)}")
-    self.learner = Learner(actor, critic, self._learner_config(), mesh=mesh, rules=config.sharding.rules,
-                           seed=config.seed)
-    self.record: dict = {}
-    self.step = 0
+    self.learner = Learner(actor, critic, self._learner_config(), mesh=self._mesh(),
+                           rules=config.sharding.rules, seed=config.seed)
+    self.checkpointer = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"))
+    self.step, self.record = 0, {}
+    self.resuming = self.checkpointer.latest_step() is not None
     if self.resuming:
-      self.step, self.learner.state, self.learner.rng, self.record = self.checkpointer.restore_latest(
-          self.learner.state, self.learner.rng)
-      saved_processes = len(self.record.get("processes", []))
-      if saved_processes != self.processes:
-        raise ValueError(f"the checkpoint in {self.checkpointer.directory} was written by {saved_processes} "
-                         f"learner processes; resume it with the same number (this run has {self.processes})")
-    self.server_version: int | None = None
-    # Local servers belong to each process; shared (remote) servers are driven by the chief.
-    self.pushes_weights = not config.rollout.addresses or multihost.is_chief()
-    self.weight_sync_s = 0.0
+      self._restore()
+    self.backend_factory = backend_factory or self._start_pool
+    self.timer = PhaseTimer()
 
-  # --- setup ----------------------------------------------------------------------
+  # --- wiring -----------------------------------------------------------------------
 
-  def _base_checkpoint(self) -> str:
-    source = self.config.model.checkpoint
-    if source == "tiny":
-      path = os.path.join(self.workdir, "base")
-      if multihost.is_chief() and not os.path.exists(path):
-        _atomic_dir(path, lambda tmp: tiny.make_tiny_checkpoint(tmp, self.config.model.tiny_arch,
-                                                                 seed=self.config.seed))
-      multihost.barrier("base checkpoint")
-      return path
-    if not os.path.isfile(os.path.join(source, "config.json")):
-      raise FileNotFoundError(f"config.model.checkpoint: no Hugging Face checkpoint at {source!r} (expected "
-                              f"config.json and *.safetensors there); give a local directory, or 'tiny'")
-    return source
+  def _mesh(self):
+    mesh = sharding.make_mesh(self.config.sharding)
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (self.cfg.batch_size // self.cfg.num_minibatches) % shards:
+      raise ValueError(f"config.trainer.batch_size ({self.cfg.batch_size}) / num_minibatches "
+                       f"({self.cfg.num_minibatches}) must be divisible by the {shards} data x fsdp "
+                       f"shards of the mesh {dict(mesh.shape)}")
+    return mesh
 
   def _learner_config(self) -> LearnerConfig:
     c = self.cfg
@@ -204,41 +213,23 @@ class Trainer:
     return LearnerConfig(estimator=self.config.estimator, actor=self.config.actor, value=self.config.value,
                          actor_optimizer=make_opt(c.actor_learning_rate),
                          critic_optimizer=make_opt(c.critic_learning_rate),
-                         epochs=c.epochs, num_minibatches=c.num_minibatches)
+                         epochs=c.epochs, num_minibatches=c.num_minibatches,
+                         sampling=self.config.rollout.sampling)
 
-  def _warm_start(self, actor):
-    """SFT on the task's demonstrations; demonstrations and the result are cached in the workdir."""
-    directory = os.path.join(self.workdir, "warm_start")
-    model_dir = os.path.join(directory, "model")
-    if not multihost.is_chief():
-      multihost.barrier("warm start")
-      return hf_io.from_pretrained(model_dir, load_tokenizer=False)[0]
-    if os.path.exists(model_dir):
-      multihost.barrier("warm start")
-      _say(f"warm start: reusing {model_dir}")
-      return hf_io.from_pretrained(model_dir, load_tokenizer=False)[0]
-    os.makedirs(directory, exist_ok=True)
-    demos_path = os.path.join(directory, "demonstrations.jsonl")
-    if not os.path.exists(demos_path):
-      demos = self.task.demonstrations(self.task.train)
-      with open(demos_path + ".tmp", "w") as f:
-        f.writelines(json.dumps(d) + "\n" for d in demos)
-      os.replace(demos_path + ".tmp", demos_path)
-    with open(demos_path) as f:
-      demos = [json.loads(line) for line in f]
-    start = time.time()
-    self.warm_start_losses = warm_start.train_on_demonstrations(
-        actor, self.tokenizer, demos, self.config.warm_start, seed=self.config.seed, log=_say)
-    _say(f"warm start: {len(self.warm_start_losses)} steps in {time.time() - start:.1f} s, final loss "
-         f"{np.mean(self.warm_start_losses[-20:]):.4f}")
-    _atomic_dir(model_dir, lambda tmp: hf_io.save_pretrained(actor, tmp, tokenizer=self.tokenizer))
-    multihost.barrier("warm start")
-    return actor
+  def _restore(self) -> None:
+    self.step, self.learner.state, self.learner.rng, self.record = self.checkpointer.restore_latest(
+        self.learner.state, self.learner.rng)
+    saved_processes = len(self.record.get("processes", []))
+    if saved_processes != self.processes:
+      raise ValueError(f"the checkpoint in {self.checkpointer.directory} was written by {saved_processes} "
+                       f"learner processes; resume it with the same number (this run has {self.processes})")
+    stopped = self._stopped_state_path()
+    if os.path.exists(stopped):       # saved by this process when a multi-process run stopped on an error
+      with open(stopped) as f:
+        self.record["processes"][jax.process_index()] = json.load(f)
 
-  def _start_pool(self) -> RolloutPool:
+  def _start_pool(self) -> RolloutBackend:
     c = self.config.rollout
-    if self._pool_factory is not None:
-      return self._pool_factory()
     _say(f"starting {len(c.addresses) or c.num_servers} rollout server(s)...")
     try:
       if c.addresses:
@@ -255,64 +246,112 @@ class Trainer:
                           f"and config.rollout.ready_timeout_s ({c.ready_timeout_s}) must cover compilation.") \
           from err
 
-  # --- weights --------------------------------------------------------------------
+  # --- the run ------------------------------------------------------------------------
 
-  def _weights_dir(self, version: int) -> str:
-    return os.path.join(self.workdir, "weights", f"v{version}")
+  def run(self) -> dict:
+    """Train to `config.trainer.steps`; SIGTERM and Ctrl-C save a checkpoint before the run ends."""
+    wall_start, source, logger = time.time(), None, NullLogger()
+    with _sigterm_as_keyboard_interrupt():
+      backend = self.backend_factory()
+      try:
+        if multihost.is_chief():
+          logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=self.step,
+                                 progress=self.cfg.progress_bar)
+        runner = rollouts.EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
+                                        seed=(self.config.seed, jax.process_index()))
+        weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
+                              pushes=not self.config.rollout.addresses or multihost.is_chief())
+        saved = self._process_record()
+        source = make_batch_source(self.cfg, runner, self._prompts(runner, saved.get("data", {})), weights,
+                                   lambda: self.learner.actor, self.timer, batch_size=self.local_batch_size,
+                                   buffered=saved.get("buffer", []))
+        eval_records = [r for r in self.task.eval if runner.fits(r)]
+        self._train(source, runner, eval_records, weights, logger)
+      finally:
+        if source is not None:
+          source.request_stop()
+        backend.close()
+        if source is not None:
+          source.stop()
+        logger.close()
+    return self._summary(wall_start)
 
-  def _save_weights(self, version: int) -> None:
-    """All processes call this (the weights may be sharded across them); the chief writes."""
-    actor = self.learner.actor
-    if self.processes > 1:    # a separate host copy: the learner's own arrays stay where they are
-      params = multihost.fully_replicated_host_copy(nnx.state(actor, nnx.Param))
-      actor = nnx.eval_shape(lambda: Decoder(actor.config, rngs=nnx.Rngs(0)))
-      nnx.update(actor, params)
-    if multihost.is_chief():
-      _atomic_dir(self._weights_dir(version), lambda tmp: hf_io.save_pretrained(actor, tmp))
-    multihost.barrier(f"weights v{version}")
+  def _train(self, source, runner, eval_records, weights, logger) -> None:
+    c, row = self.cfg, None
+    try:
+      self._first_evaluation(runner, eval_records, weights, logger)
+      source.start(self.step)
+      while self.step < c.steps:
+        with self.timer("rollout_wait_s"):
+          episodes = source.next_batch(self.step)
+        with self.timer("train_s"):
+          row = self._train_on(episodes)
+        _check_finite(row)
+        with self.timer("weight_sync_s"):
+          source.after_update(self.step)
+        row.update(self.timer.lap(), **source.metrics())
+        row["step_time_s"] = sum(row.get(phase, 0.0) for phase in STEP_PHASES)
+        final = self.step == c.steps
+        if (c.eval_every and self.step % c.eval_every == 0) or final:
+          with self.timer("eval_s"):
+            row.update(self.evaluate(runner, eval_records, weights, source.eval_version(self.step, final)))
+          row.update(self.timer.lap())
+        logger.write(row)
+        row = None
+        if self.step % c.checkpoint_every == 0 or final:
+          self._checkpoint(source.state(), weights, source.keep_versions_from(self.step))
+    except NonFiniteError as err:
+      logger.write(row)
+      raise TrainingError(f"training stopped at step {self.step}: {err}. Nothing was saved over the last good "
+                          f"checkpoint (step {self.checkpointer.latest_step()}) in "
+                          f"{self.checkpointer.directory}. Lower the learning rate or check the data, then "
+                          f"rerun the same command to resume from it.") from err
+    except (KeyboardInterrupt, Exception) as err:
+      source.request_stop()
+      if row is not None:            # the update happened: its row goes with the state saved below
+        logger.write(row)
+      state = source.state()
+      self._save_on_error(state, weights, source.keep_versions_from(self.step))
+      if isinstance(err, KeyboardInterrupt):
+        raise
+      buffered = len(state["buffer"])
+      raise TrainingError(
+          f"training stopped at step {self.step}: {type(err).__name__}: {err}\nSaved: the learner state at "
+          f"step {self.step} and {buffered} buffered episodes in {self.checkpointer.directory}. "
+          f"{_advice(err)} Then rerun the same command to resume.") from err
 
-  def _push(self, pool: RolloutPool, version: int) -> None:
-    if self.server_version == version:
+  def _prompts(self, runner, saved: dict) -> rollouts.PromptSource:
+    train = [r for r in self.task.train if runner.fits(r)]
+    if not train:
+      raise TrainingError(f"no training prompt fits config.rollout.max_prefill_length "
+                          f"({self.config.rollout.max_prefill_length}); raise it")
+    iterator = data.PromptIterator(train, seed=self.config.seed, shard_index=jax.process_index(),
+                                   shard_count=self.processes, state=saved.get("iterator"))
+    return rollouts.PromptSource(iterator, saved.get("requeued"), saved.get("draws", 0))
+
+  def _first_evaluation(self, runner, eval_records, weights, logger) -> None:
+    if self.resuming:
+      logger.note(f"resumed from step {self.step} (weights version {self.step}) in {self.workdir}")
       return
-    start = time.perf_counter()
-    path = self._weights_dir(version)
-    if version == self.step and not (self.cfg.mode == "lag" and os.path.exists(path)):
-      self._save_weights(version)
-    elif not os.path.exists(path):
-      raise TrainingError(f"the weights of version {version} are gone from {path}; lag mode keeps the "
-                          f"last `lag` versions there; do not delete them while a run can resume")
-    if self.pushes_weights:
-      pool.update_weights(path, version)
-    multihost.barrier(f"push v{version}")      # nobody generates with version v before the servers have it
-    self.server_version = version
-    self.weight_sync_s += time.perf_counter() - start
+    evaluation = self.evaluate(runner, eval_records, weights, self.step)
+    if evaluation:
+      self.record["initial_eval_accuracy"] = evaluation["eval_accuracy"]
+      logger.write({"step": 0, **evaluation})
+      logger.note(f"eval accuracy before RL: {evaluation['eval_accuracy']:.3f}")
 
-  def _prune_weights(self) -> None:
-    """Keep the versions a resume from the latest checkpoint can still push."""
-    if not multihost.is_chief():
-      return
-    keep_from = self.step - (self.cfg.lag if self.cfg.mode == "lag" else 0)
-    root = os.path.join(self.workdir, "weights")
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-      if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < keep_from \
-          and int(name[1:]) != self.server_version:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-  # --- steps ----------------------------------------------------------------------
-
-  def _train_on(self, episodes: list[rollouts.Episode]) -> tuple[dict, float]:
+  def _train_on(self, episodes: list[rollouts.Episode]) -> dict:
     """One update on this process's episodes (its rows of the global batch); the row of metrics."""
     batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length)
-    start = time.perf_counter()
     metrics = jax.device_get(self.learner.train_step(batch, process_local=True))
-    train_s = time.perf_counter() - start
     staleness = np.asarray(batch.staleness(self.step))[batch.mask]
     totals = multihost.sum_over_processes([
         len(episodes), sum(e.trajectory.reward for e in episodes), sum(e.correct for e in episodes),
         sum(sum(e.trajectory.mask) for e in episodes), sum(e.trajectory.num_turns for e in episodes),
         staleness.sum(), staleness.size])
     n, reward, correct, length, turns, stale_sum, stale_count = totals
-    row = {
+    self.step += 1
+    return {
+        "step": self.step, "weights_version": self.step,
         "reward_mean": reward / n, "accuracy": correct / n, "response_len_mean": length / n,
         "turns_mean": turns / n,
         "staleness_mean": stale_sum / max(stale_count, 1),
@@ -325,148 +364,45 @@ class Trainer:
         "value_explained_variance": metrics["value_explained_variance"],
         "nonfinite_count": metrics["nonfinite_count"],
     }
-    self.step += 1
-    row.update(step=self.step, weights_version=self.step)
-    return row, train_s
 
-  def evaluate(self, pool: RolloutPool, runner: rollouts.EpisodeRunner, records: list[dict], *,
-               latest: bool = True) -> dict:
-    """Greedy accuracy on the held-out split, of the learner's weights (`latest`) or of those served.
-
-    Servers only move forward in versions, so lag mode evaluates the weights it
-    serves (version step − lag) until the end.
-    """
-    if latest:
-      self._push(pool, self.step)
+  def evaluate(self, runner, records: list[dict], weights: WeightStore, version: int) -> dict:
+    """Greedy accuracy on the held-out split of weights `version` (pushed first if needed)."""
+    weights.push(version, self.learner.actor if version == self.step else None)
     if not multihost.is_chief():
       return {}
     episodes = rollouts.collect(runner, records, self.config.rollout.concurrency, greedy=True)
     return {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
             "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
-            "eval_version": self.server_version}
+            "eval_version": version}
 
-  def _checkpoint(self, process_state: dict) -> None:
+  # --- saving -------------------------------------------------------------------------
+
+  def _checkpoint(self, process_state: dict, weights: WeightStore, keep_from: int) -> None:
     """All processes: the learner state (orbax), and each process's data position and buffer."""
     self.record.update(step=self.step, version=self.step, processes=multihost.gather_json(process_state))
     self.checkpointer.save(self.step, self.learner.state, self.learner.rng, self.record)
-    self._prune_weights()
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self._stopped_state_path())
+    weights.prune(keep_from)
+
+  def _save_on_error(self, process_state: dict, weights: WeightStore, keep_from: int) -> None:
+    """Save without collectives, so one failing learner process cannot hang the others.
+
+    One process: the full checkpoint. Several: this process's data position and
+    buffered episodes, next to the last complete checkpoint, which a resume restores.
+    """
+    if self.processes == 1:
+      self._checkpoint(process_state, weights, keep_from)
+      return
+    os.makedirs(self.checkpointer.directory, exist_ok=True)
+    checkpoint.write_atomically(self._stopped_state_path(), lambda tmp: _write_json(tmp, process_state))
+
+  def _stopped_state_path(self) -> str:
+    return os.path.join(self.checkpointer.directory, f"stopped_process_{jax.process_index()}.json")
 
   def _process_record(self) -> dict:
     processes = self.record.get("processes")
     return processes[jax.process_index()] if processes else {}
-
-  # --- the run ----------------------------------------------------------------------
-
-  def run(self) -> dict:
-    """Train to `config.trainer.steps`; SIGTERM and Ctrl-C save a checkpoint before the run ends."""
-    if threading.current_thread() is threading.main_thread():
-      previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-      try:
-        return self._run()
-      finally:
-        signal.signal(signal.SIGTERM, previous)
-    return self._run()
-
-  def _run(self) -> dict:
-    c, wall_start = self.cfg, time.time()
-    pool = self._start_pool()
-    logger = MetricsLogger(self.workdir, total_steps=c.steps, start_step=self.step,
-                           progress=c.progress_bar) if multihost.is_chief() else NullLogger()
-    runner = rollouts.EpisodeRunner(pool.generate, self.task, self.tokenizer, self.config.rollout)
-    train = [r for r in self.task.train if runner.fits(r)]
-    eval_records = [r for r in self.task.eval if runner.fits(r)]
-    if not train:
-      raise TrainingError(f"no training prompt fits config.rollout.max_prefill_length "
-                          f"({self.config.rollout.max_prefill_length}); raise it")
-    saved = self._process_record().get("data", {})
-    iterator = data.PromptIterator(train, seed=self.config.seed, shard_index=jax.process_index(),
-                                   shard_count=jax.process_count(), state=saved.get("iterator"))
-    prompts = rollouts.PromptSource(iterator, saved.get("requeued"))
-    collector, pending_row = None, None
-    try:
-      if self.resuming:
-        logger.note(f"resumed from step {self.step} (weights version {self.step}) in {self.workdir}")
-      else:
-        evaluation = self.evaluate(pool, runner, eval_records)
-        if evaluation:
-          self.record["initial_eval_accuracy"] = evaluation["eval_accuracy"]
-          logger.write({"step": 0, **evaluation})
-          logger.note(f"eval accuracy before RL: {evaluation['eval_accuracy']:.3f}")
-      if c.mode == "async":
-        collector = self._start_collector(pool, runner, prompts)
-      while self.step < c.steps:
-        step_start, self.weight_sync_s = time.perf_counter(), 0.0
-        if c.mode == "async":
-          episodes, _ = collector.take(self.local_batch_size, self.step)
-        else:
-          self._push(pool, max(0, self.step - c.lag) if c.mode == "lag" else self.step)
-          episodes = rollouts.collect(runner, prompts.take(self.local_batch_size),
-                                      self.config.rollout.concurrency)
-        rollout_wait_s = time.perf_counter() - step_start - self.weight_sync_s
-        row, train_s = self._train_on(episodes)
-        pending_row = row             # logged even if what follows fails (the state is saved at this step)
-        if c.mode == "lag":
-          self._save_weights(self.step)       # pushed `lag` updates from now
-        if collector is not None:
-          collector.admission.on_update(self.local_batch_size)
-          if self.step % c.sync_every == 0:
-            self._push(pool, self.step)
-        row.update(rollout_wait_s=rollout_wait_s, train_s=train_s, weight_sync_s=self.weight_sync_s,
-                   step_time_s=time.perf_counter() - step_start)
-        if collector is not None:
-          row.update(buffer_size=len(collector.buffer), dropped_stale=collector.buffer.dropped)
-        if (c.eval_every and self.step % c.eval_every == 0) or self.step == c.steps:
-          row.update(self.evaluate(pool, runner, eval_records, latest=c.mode != "lag" or self.step == c.steps))
-        logger.write(row)
-        pending_row = None
-        if self.step % c.checkpoint_every == 0 or self.step == c.steps:
-          self._checkpoint(self._state(prompts, collector))
-    except (KeyboardInterrupt, Exception) as err:
-      if collector is not None:
-        collector.request_stop()
-      if pending_row is not None:
-        logger.write(pending_row)
-      self._checkpoint(self._state(prompts, collector))
-      buffered = len(self._process_record().get("buffer", []))
-      if isinstance(err, KeyboardInterrupt):
-        raise
-      raise TrainingError(
-          f"training stopped at step {self.step}: {type(err).__name__}: {err}\nSaved: the learner state at "
-          f"step {self.step} and {buffered} buffered episodes in {self.checkpointer.directory}. "
-          f"{self._advice(err)} Then rerun the same command to resume.") from err
-    finally:
-      if collector is not None:
-        collector.request_stop()
-      pool.close()
-      if collector is not None:
-        collector.stop()
-      logger.close()
-    return self._summary(wall_start)
-
-  def _start_collector(self, pool, runner, prompts) -> rollouts.AsyncCollector:
-    c = self.cfg
-    buffer = TrajectoryBuffer(c.max_staleness)
-    for payload, oldest in self._process_record().get("buffer", []):
-      buffer.put(rollouts.Episode.from_json(payload), oldest)
-    admission = AdmissionControl(c.max_staleness, self.local_batch_size, learner_version=self.step,
-                                 pending=len(buffer))
-    self._push(pool, self.step)
-    collector = rollouts.AsyncCollector(runner, prompts, admission, buffer,
-                                        workers=self.config.rollout.concurrency,
-                                        weights_version=lambda: self.server_version)
-    collector.start()
-    return collector
-
-  def _state(self, prompts, collector) -> dict:
-    if collector is not None:
-      return collector.state()
-    return {"data": prompts.state(), "buffer": []}
-
-  @staticmethod
-  def _advice(err: BaseException) -> str:
-    if isinstance(err, PoolExhausted):
-      return "Every rollout server is down: restart them (or check config.rollout.addresses)."
-    return "Fix the cause above."
 
   def _summary(self, wall_start: float) -> dict:
     if not multihost.is_chief():
@@ -487,8 +423,39 @@ class Trainer:
     return summary
 
 
+def _check_finite(row: dict) -> None:
+  for name in MUST_BE_FINITE:
+    if not math.isfinite(float(row[name])):
+      raise NonFiniteError(f"{name} is {float(row[name])} at update {row['step']}")
+
+
+def _advice(err: BaseException) -> str:
+  if isinstance(err, PoolExhausted):
+    return "Every rollout server is down: restart them (or check config.rollout.addresses)."
+  return "Fix the cause above."
+
+
+def _write_json(path: str, value) -> None:
+  with open(path, "w") as f:
+    json.dump(value, f)
+
+
+def train_and_evaluate(config, workdir: str, *, backend_factory=None) -> dict:
+  """The `train` job: the warm start (its own step, cached in DIR/warm_start), then RL."""
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  task = make_task(config.task, config.seed)
+  actor_checkpoint = None
+  if config.warm_start.steps:
+    actor_checkpoint = warm_start.prepare(task, base_checkpoint(config, workdir),
+                                          os.path.join(workdir, "warm_start"), config.warm_start,
+                                          seed=config.seed, log=_say)
+  return Trainer(config, workdir, actor_checkpoint=actor_checkpoint, task=task,
+                 backend_factory=backend_factory).run()
+
+
 def run(config, workdir: str) -> dict:
   """The `train` job of `copc_jax.main`."""
-  summary = Trainer(config, workdir).run()
+  summary = train_and_evaluate(config, workdir)
   print("\n".join(["", "summary", *(f"  {k:<24}{v}" for k, v in summary.items())]), flush=True)
   return summary

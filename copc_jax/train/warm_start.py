@@ -1,23 +1,26 @@
 """Supervised warm start on demonstrations, so RL starts from a policy that follows the format.
 
 The loss is the token-mean negative log-likelihood of the response tokens the
-policy would generate; prompt tokens and tool output (`<output>…</output>`,
-`<information>…</information>`) are context only, as they will be in RL.
+policy would generate; prompt tokens and tool output (between the task's
+`tool_output` tags, e.g. `<output>…</output>`) are context only, as they will be in RL.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import time
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from copc_jax.models import hf_io
 from copc_jax.sampling import token_logprobs_and_entropy
+from copc_jax.train import checkpoint, multihost
 from copc_jax.train.learner import OptimizerConfig
-
-TOOL_OUTPUT_SPANS = (r"<output>.*?</output>", r"<information>.*?</information>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,8 @@ class DemonstrationBatch:
 
 
 def encode_demonstrations(tokenizer, prompts: list[str], responses: list[str], length: int,
-                          bos_id: int | None = None) -> DemonstrationBatch:
+                          bos_id: int | None = None, tool_output: tuple[str, str] | None = None
+                          ) -> DemonstrationBatch:
   """Tokenise prompt + response pairs; loss on response characters outside tool-output spans."""
   b = len(prompts)
   tokens = np.zeros((b, length), np.int32)
@@ -45,7 +49,8 @@ def encode_demonstrations(tokenizer, prompts: list[str], responses: list[str], l
     offsets.append((len(text), len(text) + 1))   # the policy learns to stop
     if len(ids) > length:
       raise ValueError(f"demonstration {i} has {len(ids)} tokens; the batch length is {length}")
-    tool_spans = [m.span() for pattern in TOOL_OUTPUT_SPANS for m in re.finditer(pattern, text, re.S)]
+    pattern = tool_output and re.escape(tool_output[0]) + ".*?" + re.escape(tool_output[1])
+    tool_spans = [m.span() for m in re.finditer(pattern, text, re.S)] if pattern else []
     for t, (start, end) in enumerate(offsets):
       in_response = start >= len(prompt) and end > start
       in_tool = any(s <= start and end <= e for s, e in tool_spans)
@@ -103,13 +108,13 @@ def _round_up(n: int, multiple: int = 16) -> int:
 
 
 def train_on_demonstrations(actor, tokenizer, demonstrations: list[dict], config: WarmStartConfig,
-                            seed: int = 0, log=None) -> list[float]:
+                            seed: int = 0, log=None, tool_output: tuple[str, str] | None = None) -> list[float]:
   """`config.steps` SFT steps on random minibatches of {"prompt", "response"}; returns the losses."""
   lengths = [len(tokenizer.encode(d["prompt"] + d["response"], add_special_tokens=False)) + 2
              for d in demonstrations]
   encoded = encode_demonstrations(tokenizer, [d["prompt"] for d in demonstrations],
                                   [d["response"] for d in demonstrations], _round_up(max(lengths)),
-                                  bos_id=tokenizer.bos_token_id)
+                                  bos_id=tokenizer.bos_token_id, tool_output=tool_output)
   trainer = WarmStart(actor, OptimizerConfig(learning_rate=config.learning_rate,
                                              warmup_steps=config.warmup_steps))
   rng = np.random.default_rng(seed)
@@ -122,3 +127,40 @@ def train_on_demonstrations(actor, tokenizer, demonstrations: list[dict], config
     if log is not None and (step + 1) % max(1, config.steps // 5) == 0:
       log(f"warm start step {step + 1}/{config.steps}: loss {np.mean(losses[-20:]):.4f}")
   return losses
+
+
+def prepare(task, base_checkpoint: str, directory: str, config: WarmStartConfig, *, seed: int = 0,
+            log=print) -> str:
+  """The base model warm-started on `task`'s training demonstrations; returns its directory.
+
+  Cached: `directory/model` (a `save_pretrained` directory with the tokenizer) and
+  `directory/demonstrations.jsonl` are written once and reused, so many runs
+  (a study's cells, a resumed run) share one warm start. Deterministic: the same
+  task, base model, config and seed give the same weights bit for bit. With
+  several processes the chief trains and the others wait for the result.
+  """
+  model_dir = os.path.join(directory, "model")
+  if multihost.is_chief() and not os.path.exists(model_dir):
+    os.makedirs(directory, exist_ok=True)
+    demos_path = os.path.join(directory, "demonstrations.jsonl")
+    if not os.path.exists(demos_path):
+      demos = task.demonstrations(task.train)
+      checkpoint.write_atomically(demos_path, lambda tmp: _write_jsonl(tmp, demos))
+    with open(demos_path) as f:
+      demos = [json.loads(line) for line in f]
+    actor, tokenizer = hf_io.from_pretrained(base_checkpoint)
+    start = time.time()
+    losses = train_on_demonstrations(actor, tokenizer, demos, config, seed=seed, log=log,
+                                     tool_output=task.tool_output)
+    log(f"warm start: {len(losses)} steps in {time.time() - start:.1f} s, final loss "
+        f"{np.mean(losses[-20:]):.4f}")
+    checkpoint.write_atomically(model_dir, lambda tmp: hf_io.save_pretrained(actor, tmp, tokenizer=tokenizer))
+  elif multihost.is_chief():
+    log(f"warm start: reusing {model_dir}")
+  multihost.barrier("warm start")
+  return model_dir
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> None:
+  with open(path, "w") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows)

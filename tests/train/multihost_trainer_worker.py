@@ -31,6 +31,6 @@ if __name__ == "__main__":
   pools = []
   config = make_config(trainer=dict(mode=mode, steps=int(steps), checkpoint_every=1, eval_every=2,
                                     max_staleness=1))
-  summary = trainer.Trainer(config, workdir, pool_factory=scripted_pool_factory(pools)).run()
+  summary = trainer.Trainer(config, workdir, backend_factory=scripted_pool_factory(pools)).run()
   print("RESULT " + json.dumps({"pushes": pools[0].pushes, "steps": summary["steps"],
                                 "process_count": jax.process_count()}), flush=True)

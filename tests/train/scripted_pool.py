@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from copc_jax.rollout.client import Generation
+from copc_jax.rollout.protocol import Generation
 
 
 class ScriptedPool:

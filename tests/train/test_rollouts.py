@@ -5,7 +5,7 @@ from scripted_pool import ScriptedPool
 from copc_jax.envs import data
 from copc_jax.envs.tasks import TaskConfig, make_task
 from copc_jax.models import tiny
-from copc_jax.rollout.client import Generation
+from copc_jax.rollout.protocol import Generation
 from copc_jax.train import rollouts
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
@@ -62,8 +62,9 @@ def test_prompt_source_requeues_in_flight_prompts_first(task):
   state = source.state(in_flight=[first[2]])
   later = source.take(2)
   resumed = rollouts.PromptSource(data.PromptIterator(task.train, seed=1, state=state["iterator"]),
-                                  state["requeued"])
+                                  state["requeued"], state["draws"])
   assert resumed.take(3) == [first[2]] + later
+  assert [r["draw"] for r in first + later] == [0, 1, 2, 3, 4]   # the sampling key of each episode
 
 
 @pytest.mark.parametrize("max_staleness,sync_every", [(0, 1), (2, 1), (3, 2)])
@@ -89,6 +90,7 @@ def test_async_collection_never_hands_out_stale_episodes(tokenizer, task, max_st
       admission.on_update(batch)
       if (version + 1) % sync_every == 0:
         pool.update_weights("unused", version + 1)
+        admission.wake()
   finally:
     collector.stop()
   state = collector.state()

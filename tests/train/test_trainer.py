@@ -38,7 +38,7 @@ def scripted_pool_factory(pools, **kwargs):
 
 def train(config, workdir, **kwargs):
   pools = []
-  summary = trainer.Trainer(config, str(workdir), pool_factory=scripted_pool_factory(pools, **kwargs)).run()
+  summary = trainer.Trainer(config, str(workdir), backend_factory=scripted_pool_factory(pools, **kwargs)).run()
   return summary, pools, metrics.read_metrics(str(workdir))
 
 
@@ -109,7 +109,7 @@ def test_a_dead_pool_stops_the_run_with_a_checkpoint_and_advice(tmp_path):
   tokenizer = tiny.make_tokenizer()
   make = lambda: FailingPool(len(tokenizer), fail_after=60)
   with pytest.raises(trainer.TrainingError) as info:
-    trainer.Trainer(config, str(tmp_path), pool_factory=make).run()
+    trainer.Trainer(config, str(tmp_path), backend_factory=make).run()
   message = str(info.value)
   assert "PoolExhausted" in message and "Every rollout server is down" in message
   assert "rerun the same command to resume" in message

@@ -10,7 +10,8 @@ from copc_jax.train.warm_start import WarmStart, encode_demonstrations
 def test_loss_mask_covers_policy_tokens_only():
   tokenizer = tiny.make_tokenizer()
   prompt, response = "Q: 2*3?\n", "<code>print(2*3)</code>\n<output>\n6\n</output>\n<answer>6</answer>"
-  batch = encode_demonstrations(tokenizer, [prompt], [response], length=96, bos_id=1)
+  batch = encode_demonstrations(tokenizer, [prompt], [response], length=96, bos_id=1,
+                                tool_output=("<output>", "</output>"))
   ids = batch.tokens[0][batch.attention_mask[0]]
   trained = tokenizer.decode(ids[batch.loss_mask[0][: len(ids)]])
   assert trained == "<code>print(2*3)</code>\n\n<answer>6</answer><eos>"

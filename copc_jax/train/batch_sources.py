@@ -1,0 +1,153 @@
+"""Where each update's episodes come from, one class per mode, behind one small interface.
+
+    source = make_batch_source(trainer_config, ...)
+    source.start(step)                   # before the first batch (async: starts the workers)
+    episodes = source.next_batch(step)   # the episodes of update `step` (this process's share)
+    source.after_update(step + 1)        # the learner is at version step + 1
+    source.state()                       # data position and buffered episodes, for the checkpoint
+
+| mode  | batch of update v generated with   | weights pushed                     |
+| ----- | ---------------------------------- | ---------------------------------- |
+| sync  | version v (staleness 0)            | v, before the batch                |
+| lag   | version max(0, v − lag), exactly   | that version; every v is kept      |
+| async | whatever the servers hold (≤ η old)| every `sync_every` updates         |
+
+`sync` and `lag` are reproducible (episodes are collected in prompt order with
+per-episode seeds); `async` is not: which version an episode sees depends on
+how the rollouts race the learner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from copc_jax.models.decoder import Decoder
+from copc_jax.train import rollouts
+from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
+from copc_jax.train.timing import PhaseTimer
+from copc_jax.train.weights import WeightStore
+
+
+class SyncSource:
+  """sync: push version v, then generate the batch of update v with it."""
+
+  def __init__(self, runner: rollouts.EpisodeRunner, prompts: rollouts.PromptSource, weights: WeightStore,
+               actor: Callable[[], Decoder], timer: PhaseTimer, *, batch_size: int, workers: int):
+    self.runner, self.prompts, self.weights, self.actor, self.timer = runner, prompts, weights, actor, timer
+    self.batch_size, self.workers = batch_size, workers
+
+  def version_for(self, step: int) -> int:
+    return step
+
+  def start(self, step: int) -> None:
+    pass
+
+  def next_batch(self, step: int) -> list[rollouts.Episode]:
+    version = self.version_for(step)
+    with self.timer("weight_sync_s"):
+      self.weights.push(version, self.actor() if version == step else None)
+    return rollouts.collect(self.runner, self.prompts.take(self.batch_size), self.workers)
+
+  def after_update(self, step: int) -> None:
+    pass
+
+  def eval_version(self, step: int, final: bool) -> int:
+    """The version to evaluate at `step`: the learner's, unless the servers cannot go there yet."""
+    return step
+
+  def keep_versions_from(self, step: int) -> int:
+    """The oldest weight version a resume from `step` may still push."""
+    return step
+
+  def metrics(self) -> dict:
+    return {}
+
+  def state(self) -> dict:
+    return {"data": self.prompts.state(), "buffer": []}
+
+  def request_stop(self) -> None:
+    pass
+
+  def stop(self) -> None:
+    pass
+
+
+class LagSource(SyncSource):
+  """lag: the batch of update v is generated with version max(0, v − lag); every version is saved."""
+
+  def __init__(self, *args, lag: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.lag = lag
+
+  def version_for(self, step: int) -> int:
+    return max(0, step - self.lag)
+
+  def after_update(self, step: int) -> None:
+    if self.lag:
+      self.weights.save(step, self.actor())      # pushed `lag` updates from now
+
+  def eval_version(self, step: int, final: bool) -> int:
+    # Servers only move forward: until the end, evaluate the weights they serve (step − lag).
+    return step if final else self.weights.served
+
+  def keep_versions_from(self, step: int) -> int:
+    return step - self.lag
+
+
+class AsyncSource(SyncSource):
+  """async: workers keep episodes running under admission control; weights pushed every `sync_every`."""
+
+  def __init__(self, *args, max_staleness: int, sync_every: int, buffered: list = (), **kwargs):
+    super().__init__(*args, **kwargs)
+    self.sync_every = sync_every
+    self.buffer = TrajectoryBuffer(max_staleness)
+    for payload, oldest in buffered:
+      self.buffer.put(rollouts.Episode.from_json(payload), oldest)
+    self.max_staleness = max_staleness
+    self.collector: rollouts.AsyncCollector | None = None
+
+  def start(self, step: int) -> None:
+    admission = AdmissionControl(self.max_staleness, self.batch_size, learner_version=step,
+                                 pending=len(self.buffer))
+    self.weights.push(step, self.actor())
+    self.collector = rollouts.AsyncCollector(self.runner, self.prompts, admission, self.buffer,
+                                             workers=self.workers, weights_version=lambda: self.weights.served)
+    self.collector.start()
+
+  def next_batch(self, step: int) -> list[rollouts.Episode]:
+    return self.collector.take(self.batch_size, step)[0]
+
+  def after_update(self, step: int) -> None:
+    self.collector.admission.on_update(self.batch_size)
+    if step % self.sync_every == 0:
+      self.weights.push(step, self.actor())
+      self.collector.admission.wake()
+
+  def metrics(self) -> dict:
+    return {"buffer_size": len(self.buffer), "dropped_stale": self.buffer.dropped}
+
+  def state(self) -> dict:
+    if self.collector is None:
+      return {"data": self.prompts.state(), "buffer": [(e.to_json(), v) for e, v in self.buffer.items()]}
+    return self.collector.state()
+
+  def request_stop(self) -> None:
+    if self.collector is not None:
+      self.collector.request_stop()
+
+  def stop(self) -> None:
+    if self.collector is not None:
+      self.collector.stop()
+
+
+def make_batch_source(config, runner, prompts, weights, actor, timer, *, batch_size: int,
+                      buffered: list = ()) -> SyncSource:
+  """The source of `config.mode` (a `TrainerConfig`)."""
+  common = dict(batch_size=batch_size, workers=runner.config.concurrency)
+  args = (runner, prompts, weights, actor, timer)
+  if config.mode == "sync":
+    return SyncSource(*args, **common)
+  if config.mode == "lag":
+    return LagSource(*args, lag=config.lag, **common)
+  return AsyncSource(*args, max_staleness=config.max_staleness, sync_every=config.sync_every,
+                     buffered=buffered, **common)
