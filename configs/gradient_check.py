@@ -10,7 +10,7 @@ Fields left as None take the preset's value (see copc_jax/presets.py).
 from ml_collections import config_dict
 
 from configs import common
-from copc_jax import presets
+from copc_jax import config as config_lib
 
 
 def get_config(arg=None):
@@ -21,10 +21,7 @@ def get_config(arg=None):
 
   common.add_method_sections(config)
 
-  config.gradient_check = config_dict.ConfigDict(dict(
-      num_trajectories=4096, num_steps=32, tool_every=4,
-      staleness_drifts=(0.0, 0.5, 1.0, 2.0), value_noise=0.0,
-      presets=tuple(presets.PRESETS)))
+  config.gradient_check = config_lib.section("gradient_check")
   return config
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ml_collections import config_dict
+
 from copc_jax import presets
 from copc_jax.envs.tasks import TaskConfig
 from copc_jax.losses import ActorLossConfig, ValueLossConfig
@@ -66,6 +68,26 @@ class ExperimentConfig:
   warm_start: WarmStartConfig = WarmStartConfig()
 
 
+SECTIONS = {"estimator": EstimatorConfig, "actor": ActorLossConfig, "value": ValueLossConfig,
+            "gradient_check": GradientCheckConfig, "sharding": ShardingConfig, "model": ModelSource,
+            "task": TaskConfig, "rollout": RolloutConfig, "trainer": TrainerConfig,
+            "warm_start": WarmStartConfig}
+PRESET_SECTIONS = ("estimator", "actor")      # filled by the preset; the config file's values override it
+
+
+def section(name: str) -> config_dict.ConfigDict:
+  """The config section `name` with every field of its dataclass, so every field is overridable.
+
+  Values are the dataclass defaults, the one source of truth; the preset's sections
+  hold typed placeholders (None: take the preset's value).
+  """
+  defaults = SECTIONS[name]()
+  values = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)}
+  if name in PRESET_SECTIONS:
+    values = {key: config_dict.placeholder(type(value)) for key, value in values.items()}
+  return config_dict.ConfigDict(values)
+
+
 def _as_plain(value):
   if hasattr(value, "to_dict"):
     return value.to_dict()
@@ -107,8 +129,7 @@ def _build(cls, section: str, values: dict[str, Any], base=None):
 def from_config_dict(config) -> ExperimentConfig:
   """Validate a ConfigDict (or plain dict) and return the typed configuration."""
   config = _as_plain(config)
-  allowed = {"job", "preset", "seed", "estimator", "actor", "value", "gradient_check", "sharding", "model",
-             "task", "rollout", "trainer", "warm_start"}
+  allowed = {"job", "preset", "seed", *SECTIONS}
   unknown = sorted(set(config) - allowed)
   if unknown:
     raise ValueError(f"config: unknown field(s) {unknown}; allowed: {sorted(allowed)}")

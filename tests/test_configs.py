@@ -1,6 +1,10 @@
 """Every config file loads, validates, and (through its argument) covers every preset."""
 
+import dataclasses
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +55,26 @@ def test_bad_trainer_values_name_the_field(section, field, value, message):
   plain[section][field] = value
   with pytest.raises(ValueError, match=message):
     config_lib.from_config_dict(plain)
+
+
+def test_every_dataclass_field_is_a_config_field_at_its_default():
+  raw = importlib.import_module("configs.common").train_config("copc")
+  for name, cls in config_lib.SECTIONS.items():
+    if name == "gradient_check":
+      continue
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert set(raw[name].keys()) == fields, name
+    if name not in config_lib.PRESET_SECTIONS:
+      typed = config_lib.from_config_dict(raw)
+      assert getattr(typed, name) == cls(), name
+  raw.rollout.top_k = 20                    # any field, straight from the command line's view
+  assert config_lib.from_config_dict(raw).rollout.sampling.top_k == 20
+
+
+def test_configs_load_without_jetstream():
+  code = ("import sys; import copc_jax.config, copc_jax.train.trainer, configs.default; "
+          "loaded = [m for m in sys.modules if m.startswith(('jetstream', 'copc_jax.rollout.server'))]; "
+          "assert not loaded, loaded")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]

@@ -132,3 +132,60 @@ def test_bad_trainer_settings_fail_at_load_time():
     make_config(trainer=dict(mode="semi"))
   with pytest.raises(ValueError, match=r"max_staleness \(0\) must be >= sync_every - 1"):
     make_config(trainer=dict(mode="async", max_staleness=0, sync_every=3))
+
+
+def test_a_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+  from copc_jax.train.learner import Learner
+
+  real_step, calls = Learner.train_step, []
+
+  def poisoned_at_third_update(self, batch, **kwargs):
+    metrics_ = dict(real_step(self, batch, **kwargs))
+    calls.append(1)
+    if len(calls) == 3:
+      metrics_["actor_grad_norm"] = float("nan")
+    return metrics_
+
+  monkeypatch.setattr(Learner, "train_step", poisoned_at_third_update)
+  config = make_config(trainer=dict(mode="sync", steps=6, checkpoint_every=1, eval_every=0))
+  with pytest.raises(trainer.TrainingError, match=r"stopped at step 3: grad_norm is nan at update 3") as info:
+    train(config, tmp_path)
+  assert "last good checkpoint (step 2)" in str(info.value)
+  saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved[-1] == 2                                                # nothing saved over it
+  rows = metrics.read_metrics(str(tmp_path))
+  assert rows[-1]["step"] == 3 and rows[-1]["grad_norm"] is None       # the bad update is on record
+
+
+def test_an_error_inside_a_rollout_worker_stops_the_run(tmp_path):
+  config = make_config(trainer=dict(mode="async", steps=50, eval_every=0, checkpoint_every=100))
+  task = trainer.make_task(config.task, config.seed)
+  calls = []
+
+  def broken_tool(turn_text):
+    calls.append(turn_text)
+    if len(calls) >= 3:
+      raise OSError("the sandbox is gone")
+    return "<output>\n1\n</output>"
+
+  task.tool = broken_tool
+  pools = []
+  run = trainer.Trainer(config, str(tmp_path), task=task, backend_factory=scripted_pool_factory(pools))
+  with pytest.raises(trainer.TrainingError, match="OSError: the sandbox is gone"):
+    run.run()
+  assert pools[0].closed
+
+
+def test_phase_times_are_exclusive_and_add_up(monkeypatch):
+  from copc_jax.train import timing
+
+  clock = iter([0.0, 1.0, 3.0, 10.0, 10.0, 10.5])
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+  timer = timing.PhaseTimer()
+  with timer("rollout_wait_s"):          # 0 → 10, of which 1 → 3 is a weight push
+    with timer("weight_sync_s"):
+      pass
+  with timer("train_s"):                 # 10 → 10.5
+    pass
+  assert timer.lap() == {"weight_sync_s": 2.0, "rollout_wait_s": 8.0, "train_s": 0.5}
+  assert timer.lap() == {}

@@ -29,3 +29,21 @@ def test_warm_start_teaches_the_tool_format():
              for i in range(0, 64, 16)]
   losses = [warm.step(batches[k % 4]) for k in range(60)]
   assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:4])
+
+
+def test_warm_start_is_deterministic_bit_for_bit(tmp_path):
+  from copc_jax.envs.tasks import TaskConfig, make_task
+  from copc_jax.models import hf_io
+  from copc_jax.train import warm_start
+
+  task = make_task(TaskConfig(name="tool_arithmetic", train_size=32, eval_size=4, system_prompt=False), seed=3)
+  tiny.make_tiny_checkpoint(str(tmp_path / "base"), seed=3)
+  config = warm_start.WarmStartConfig(steps=12, batch_size=8, warmup_steps=2)
+  paths = [warm_start.prepare(task, str(tmp_path / "base"), str(tmp_path / name), config, seed=3, log=print)
+           for name in ("a", "b")]
+  first, second = (hf_io.read_safetensors(p) for p in paths)
+  assert first.keys() == second.keys()
+  for name in first:
+    assert np.array_equal(np.asarray(first[name]), np.asarray(second[name])), name
+  base = hf_io.read_safetensors(str(tmp_path / "base"))
+  assert any(not np.array_equal(np.asarray(base[n]), np.asarray(first[n])) for n in first)   # it trained
