@@ -1,6 +1,9 @@
 """Entry point: `python -m copc_jax.main --config=configs/default.py --workdir=DIR`."""
 
+import dataclasses
+import json
 import platform
+import sys
 
 import flax
 import jax
@@ -30,11 +33,11 @@ def main(argv):
   config = config_lib.from_config_dict(FLAGS.config)
   if FLAGS.distributed:
     jax.distributed.initialize()
-  logging.info("python %s, jax %s, flax %s, optax %s", platform.python_version(),
-               jax.__version__, flax.__version__, optax.__version__)
-  logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(),
-               jax.devices())
-  logging.info("config: %s", config)
+  if jax.process_index() == 0 or FLAGS["verbosity"].present:
+    print(f"python {platform.python_version()}, jax {jax.__version__}, flax {flax.__version__}, "
+          f"optax {optax.__version__}\nprocess {jax.process_index()}/{jax.process_count()}, "
+          f"devices: {jax.devices()}\nconfig (resolved): {json.dumps(dataclasses.asdict(config), default=str)}",
+          file=sys.stderr, flush=True)
   try:
     JOBS[config.job](config, FLAGS.workdir)
   except (trainer.TrainingError, FileNotFoundError) as err:

@@ -15,7 +15,8 @@ Services on one gRPC server bound to 127.0.0.1 by default:
     Status:            {} → {version, slots_in_use, queue_length, max_concurrent_decodes, ...}
 
 Every request is checked before it reaches JetStream's threads, whose exceptions
-would kill the process: bad requests get INVALID_ARGUMENT with what was wrong.
+would kill the process: bad requests get INVALID_ARGUMENT with what was wrong;
+the server's own failures on a valid request get INTERNAL.
 """
 
 from __future__ import annotations
@@ -127,20 +128,23 @@ class RolloutService:
         max_tokens=max_tokens, return_channel=async_multifuture.AsyncMultifuture(),
         prefill_content=np.asarray(token_ids, np.int32), is_client_side_tokenization=True,
         history_path="rl", sampling=sampling)   # a history path tells 0.2.2 not to add BOS
-    self._driver.place_request_on_prefill_queue(active)
-    async for samples in active.return_channel:
-      sample = samples[0]
-      if sample.token_ids or sample.finish_reason:
-        yield {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "versions": sample.versions,
-               "finish_reason": sample.finish_reason}
+    try:
+      self._driver.place_request_on_prefill_queue(active)
+      async for samples in active.return_channel:
+        sample = samples[0]
+        if sample.token_ids or sample.finish_reason:
+          yield {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "versions": sample.versions,
+                 "finish_reason": sample.finish_reason}
+    except Exception as err:  # noqa: BLE001 - a valid request that the server failed to serve
+      await context.abort(grpc.StatusCode.INTERNAL, f"Generate: the server failed: {type(err).__name__}: {err}")
 
   async def update_weights(self, request: dict, context):
     try:
       version, path = int(request["version"]), request["path"]
       tensors = await asyncio.to_thread(hf_io.read_safetensors, path)
-      return await self._swap(tensors, version)
     except (KeyError, ValueError, TypeError, OSError) as err:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeights: {err}")
+    return await self._swap(tensors, version, context, "UpdateWeights")
 
   async def update_weights_bytes(self, request_iterator, context):
     try:
@@ -148,17 +152,24 @@ class RolloutService:
       version = int(metadata["copc-version"])
       payload = b"".join([chunk async for chunk in request_iterator])
       tensors = await asyncio.to_thread(load_safetensors_bytes, payload)
-      return await self._swap(tensors, version)
-    except Exception as err:  # noqa: BLE001 - any malformed payload is the client's error
+    except Exception as err:  # noqa: BLE001 - the metadata and bytes are the client's
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeightsBytes: {err}")
+    return await self._swap(tensors, version, context, "UpdateWeightsBytes")
 
-  async def _swap(self, tensors, version: int):
-    async with self._update_lock:
-      def build_and_swap():
-        model = self._engine.model_like()
-        hf_io.load_weights(model, tensors)
-        self._engine.store.update(self._engine.params_of(model), version)
-      await asyncio.to_thread(build_and_swap)
+  async def _swap(self, tensors, version: int, context, method: str):
+    """Load `tensors` as `version`: tensors that do not fit the model are the client's error
+    (INVALID_ARGUMENT), anything else failing is the server's own (INTERNAL)."""
+    def build_and_swap():
+      model = self._engine.model_like()
+      hf_io.load_weights(model, tensors)
+      self._engine.store.update(self._engine.params_of(model), version)
+    try:
+      async with self._update_lock:
+        await asyncio.to_thread(build_and_swap)
+    except (KeyError, ValueError, TypeError) as err:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {err}")
+    except Exception as err:  # noqa: BLE001 - reported to the client as the server's failure
+      await context.abort(grpc.StatusCode.INTERNAL, f"{method}: the server failed: {type(err).__name__}: {err}")
     return {"version": self._engine.store.version}
 
   async def status(self, request: dict, context):

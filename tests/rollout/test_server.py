@@ -118,7 +118,49 @@ def test_stock_jetstream_decode_client_gets_tokens(server):
   assert process.alive()
 
 
-def test_weight_push_mid_generation_versions_and_logprobs(checkpoint, tmp_path):
+def test_weight_push_mid_generation_versions_and_logprobs(checkpoint):
+  """In-flight update, stepped by hand: the engine JetStream drives, with the swap between two steps.
+
+  Deterministic by construction (no push racing a stream): the swap lands before
+  generate step 8, so token 8 still comes from logits of the old weights and token
+  9 onward from the new ones, over a KV cache that the old weights wrote.
+  """
+  from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+
+  old, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  new = Decoder(old.config, rngs=nnx.Rngs(42))
+  engine = CopcEngine(old, max_concurrent_decodes=2, max_prefill_length=16, max_length=128, version=0)
+  store = engine.load_params()
+  prompt = [1, 40, 41, 42]
+  padded = np.zeros(16, np.int32)
+  padded[:len(prompt)] = prompt
+  engine.pending_sampling.options = SamplingOptions(seed=5)
+  state = engine.insert(engine.prefill(params=store, padded_tokens=padded, true_length=len(prompt)),
+                        engine.init_decode_state(), 1)
+  tokens, logprobs, versions = [], [], []
+  for step in range(24):
+    if step == 8:
+      store.update(engine.params_of(new), 1)
+    state, result = engine.generate(store, state)
+    token, _, _, logprob_bits, version = np.asarray(result.data)[1]
+    tokens.append(int(token))
+    logprobs.append(float(np.array(logprob_bits, np.int32).view(np.float32)))
+    versions.append(int(version))
+  switch = 9
+  assert versions == [0] * switch + [1] * (len(tokens) - switch)
+  sequence = prompt + tokens
+  boundary = len(prompt) + switch - 1           # the logits of token[switch] came from the new weights
+  cache = KVCache.create(old.config, batch=1, max_length=len(sequence))
+  _, cache = old.decode(np.array([sequence[:boundary]]), np.arange(boundary)[None], cache)
+  expected = []
+  for position in range(boundary, len(sequence) - 1):
+    logits, cache = new.decode(np.array([[sequence[position]]]), np.array([[position]]), cache)
+    expected.append(float(jax.nn.log_softmax(logits[0, 0])[sequence[position + 1]]))
+  np.testing.assert_allclose(logprobs[switch:], expected, atol=TOL)
+  np.testing.assert_allclose(logprobs[:switch], teacher_forced(old, prompt, tokens)[:switch], atol=TOL)
+
+
+def test_weight_pushes_between_requests_swap_without_recompiling(checkpoint, tmp_path):
   process = ServerProcess(checkpoint, slots=2, max_prefill_length=16, max_length=128, seed=1)
   process.wait_ready()
   client = RolloutClient(process.address)
@@ -130,31 +172,12 @@ def test_weight_push_mid_generation_versions_and_logprobs(checkpoint, tmp_path):
     client.generate(prompt, max_tokens=2)                  # compile prefill/insert/generate once
     compilations_before = client.status()["compilations"]
     assert compilations_before == {"prefill": 1, "insert": 1, "generate": 1}
-    tokens, logprobs, versions = [], [], []
-    for step in client.stream(prompt, max_tokens=100):
-      tokens += step["token_ids"]
-      logprobs += step["logprobs"]
-      versions += step["versions"]
-      if len(tokens) == 8:
-        assert client.update_weights(str(tmp_path / "v1"), version=1) == 1
-    switch = versions.index(1)
-    assert set(versions[:switch]) == {0} and set(versions[switch:]) == {1} and switch >= 8
-    # Exact check: old weights wrote the KV cache up to the switch, new weights after it.
-    cache = KVCache.create(old.config, batch=1, max_length=len(prompt) + len(tokens))
-    sequence = prompt + tokens
-    boundary = len(prompt) + switch - 1           # logits for token[switch] came from new weights
-    _, cache = old.decode(np.array([sequence[:boundary]]), np.arange(boundary)[None], cache)
-    expected = []
-    for position in range(boundary, len(sequence) - 1):
-      logits, cache = new.decode(np.array([[sequence[position]]]), np.array([[position]]), cache)
-      expected.append(float(jax.nn.log_softmax(logits[0, 0])[sequence[position + 1]]))
-    np.testing.assert_allclose(logprobs[switch + 1:], expected[1:], atol=TOL)
-    # A fresh request after the push is all version 1 and matches the new weights teacher-forced.
-    fresh = client.generate(prompt, max_tokens=15)
+    assert client.update_weights(str(tmp_path / "v1"), version=1) == 1
+    fresh = client.generate(prompt, max_tokens=15, seed=11)
     assert set(fresh.versions) == {1}
     np.testing.assert_allclose(fresh.logprobs, teacher_forced(new, prompt, fresh.token_ids), atol=TOL)
-    # Weights swapped in place: nothing was compiled again.
-    assert client.status()["compilations"] == compilations_before
+    assert client.generate(prompt, max_tokens=15, seed=11) == fresh      # keyed by the request
+    assert client.status()["compilations"] == compilations_before      # swapped in place
     payload = save_safetensors_bytes({k: np.asarray(v) for k, v in
                                       hf_io.read_safetensors(str(tmp_path / "v1")).items()})
     assert client.update_weights_bytes(payload, version=2) == 2
@@ -173,3 +196,50 @@ def test_stop_sequences_end_the_generation(server):
   pair = client.generate([1, 50, 51], max_tokens=30, temperature=0.01).token_ids[1:3]  # near-greedy
   out = client.generate([1, 50, 51], max_tokens=30, temperature=0.01, stop_sequences=[pair])
   assert out.finish_reason == "stop_sequence" and out.token_ids[-2:] == pair
+
+
+class _AbortingContext:
+  class Aborted(Exception):
+    pass
+
+  def __init__(self):
+    self.code = None
+
+  async def abort(self, code, details):
+    self.code, self.details = code, details
+    raise self.Aborted(details)
+
+
+class _BrokenEngine:
+  """An engine whose weight swap fails for the server's own reasons (not the request's)."""
+
+  def model_like(self):
+    raise MemoryError("device out of memory")
+
+
+def test_the_servers_own_failures_are_internal_not_the_clients():
+  import asyncio
+
+  from copc_jax.rollout.server import RolloutService
+
+  service = RolloutService(driver=None, engine=_BrokenEngine())
+  context = _AbortingContext()
+  with pytest.raises(_AbortingContext.Aborted):
+    asyncio.run(service._swap({}, 3, context, "UpdateWeights"))
+  assert context.code == grpc.StatusCode.INTERNAL and "MemoryError" in context.details
+  context = _AbortingContext()
+  with pytest.raises(_AbortingContext.Aborted):
+    asyncio.run(service.update_weights({"version": "three", "path": "x"}, context))
+  assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_seeded_request_gets_the_same_tokens_whatever_the_slot_and_traffic(server):
+  from concurrent.futures import ThreadPoolExecutor
+
+  _, client = server
+  request = dict(token_ids=[1, 30, 31], max_tokens=24, temperature=0.7, top_p=0.9, top_k=20, seed=7)
+  alone = client.generate(**request)
+  with ThreadPoolExecutor(6) as executor:      # the same request among others, in whatever slot is free
+    crowd = list(executor.map(lambda s: client.generate(**{**request, "seed": s}), [3, 7, 4, 7, 5, 7]))
+  assert crowd[1] == crowd[3] == crowd[5] == alone
+  assert crowd[0].token_ids != alone.token_ids or crowd[2].token_ids != alone.token_ids  # seeds matter

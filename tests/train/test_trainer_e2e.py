@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import jax
 import pytest
 from test_trainer import make_config
 
@@ -110,5 +111,7 @@ def test_the_main_command_names_missing_data(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode != 0
+  assert f"jax {jax.__version__}" in result.stderr and "devices: [" in result.stderr   # logged by default
+  assert '"train_path": ' in result.stderr                                             # the resolved config
   assert f"config.task.train_path: {tmp_path}/train.parquet does not exist" in result.stderr
   assert "Traceback" not in result.stderr
