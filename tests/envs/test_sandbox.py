@@ -31,7 +31,10 @@ def nobody_processes():
 
 
 @pytest.fixture(autouse=True)
-def nothing_leaks():
+def nothing_leaks(tmp_path, monkeypatch):
+  # Runs of this test make their directories in a temp dir of its own: other sandboxes on the
+  # machine (a concurrent training run) neither hide nor fake a leak.
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   before_dirs, before_procs = sandbox_dirs(), nobody_processes()
   yield
   assert sandbox_dirs() == before_dirs, "a sandbox directory was left behind"
