@@ -51,9 +51,14 @@ class SyncSource:
   def after_update(self, step: int) -> None:
     pass
 
-  def eval_version(self, step: int, final: bool) -> int:
-    """The version to evaluate at `step`: the learner's, unless the servers cannot go there yet."""
-    return step
+  @property
+  def serves_the_learner(self) -> bool:
+    """Whether the training servers can take the learner's current weights at any update.
+
+    Not in lag mode (they serve version v − lag and only move forward): evaluations
+    there go to a dedicated evaluation server.
+    """
+    return True
 
   def keep_versions_from(self, step: int) -> int:
     """The oldest weight version a resume from `step` may still push."""
@@ -86,9 +91,9 @@ class LagSource(SyncSource):
     if self.lag:
       self.weights.save(step, self.actor())      # pushed `lag` updates from now
 
-  def eval_version(self, step: int, final: bool) -> int:
-    # Servers only move forward: until the end, evaluate the weights they serve (step − lag).
-    return step if final else self.weights.served
+  @property
+  def serves_the_learner(self) -> bool:
+    return self.lag == 0
 
   def keep_versions_from(self, step: int) -> int:
     return step - self.lag

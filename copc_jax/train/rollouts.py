@@ -28,6 +28,7 @@ from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 class RolloutConfig:
   num_servers: int = 2                  # local JetStream servers started as subprocesses
   addresses: tuple[str, ...] = ()       # or remote servers (host:port); then num_servers is ignored
+  eval_addresses: tuple[str, ...] = ()  # lag mode with remote servers: a server for evaluations
   slots: int = 8                        # concurrent generations per server
   max_prefill_length: int = 64          # prompt bucket (every turn's context must fit)
   max_length: int = 128                 # context + generated tokens

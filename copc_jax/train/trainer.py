@@ -228,17 +228,24 @@ class Trainer:
       with open(stopped) as f:
         self.record["processes"][jax.process_index()] = json.load(f)
 
-  def _start_pool(self) -> RolloutBackend:
+  def _start_pool(self, evaluation: bool = False) -> RolloutBackend:
+    """The training servers, or (`evaluation`) one server that evaluates the learner's weights."""
     c = self.config.rollout
-    _say(f"starting {len(c.addresses) or c.num_servers} rollout server(s)...")
+    addresses = c.eval_addresses if evaluation else c.addresses
+    if evaluation and c.addresses and not addresses:
+      raise TrainingError("lag mode evaluates the learner's current weights on a server of its own: with "
+                          "remote servers, give one in config.rollout.eval_addresses (or eval_every = 0)")
+    count = len(addresses) or (1 if evaluation else c.num_servers)
+    _say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
     try:
-      if c.addresses:
-        return RolloutPool(addresses=list(c.addresses), max_in_flight=c.max_in_flight)
+      if addresses:
+        return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight)
       # Servers start on the base weights as version -1; every version the learner
       # owns is pushed before anything is generated with it.
-      return RolloutPool(self.base_checkpoint, num_servers=c.num_servers, max_in_flight=c.max_in_flight,
+      return RolloutPool(self.base_checkpoint, num_servers=count, max_in_flight=c.max_in_flight,
                          slots=c.slots, max_prefill_length=c.max_prefill_length, max_length=c.max_length,
-                         ready_timeout_s=c.ready_timeout_s, log_dir=os.path.join(self.workdir, "logs"),
+                         ready_timeout_s=c.ready_timeout_s,
+                         log_dir=os.path.join(self.workdir, "logs", "eval" if evaluation else ""),
                          version=-1)
     except (TimeoutError, RuntimeError) as err:
       raise TrainingError(f"the rollout servers did not start: {err}\nCheck the server log above; "
@@ -250,9 +257,10 @@ class Trainer:
 
   def run(self) -> dict:
     """Train to `config.trainer.steps`; SIGTERM and Ctrl-C save a checkpoint before the run ends."""
-    wall_start, source, logger = time.time(), None, NullLogger()
+    wall_start, source, logger, backends = time.time(), None, NullLogger(), []
     with _sigterm_as_keyboard_interrupt():
       backend = self.backend_factory()
+      backends.append(backend)
       try:
         if multihost.is_chief():
           logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=self.step,
@@ -265,21 +273,36 @@ class Trainer:
         source = make_batch_source(self.cfg, runner, self._prompts(runner, saved.get("data", {})), weights,
                                    lambda: self.learner.actor, self.timer, batch_size=self.local_batch_size,
                                    buffered=saved.get("buffer", []))
-        eval_records = [r for r in self.task.eval if runner.fits(r)]
-        self._train(source, runner, eval_records, weights, logger)
+        evaluator = self._evaluator(runner, weights, source, backends)
+        self._train(source, evaluator, logger)
       finally:
         if source is not None:
           source.request_stop()
-        backend.close()
+        for each in backends:
+          each.close()
         if source is not None:
           source.stop()
         logger.close()
     return self._summary(wall_start)
 
-  def _train(self, source, runner, eval_records, weights, logger) -> None:
+  def _evaluator(self, runner, weights, source, backends) -> Evaluator:
+    """Greedy evaluation of the learner's current weights: on the training servers where they can
+    take them, else (lag mode) on a dedicated evaluation server started for it."""
+    records = [r for r in self.task.eval if runner.fits(r)]
+    if source.serves_the_learner:
+      return Evaluator(runner, records, weights, self.config.rollout.concurrency)
+    backend = self.backend_factory(evaluation=True) if multihost.is_chief() else None
+    if backend is not None:
+      backends.append(backend)
+    eval_runner = rollouts.EpisodeRunner(backend.generate if backend else None, self.task, self.tokenizer,
+                                         self.config.rollout, seed=runner.seed)
+    eval_weights = WeightStore(weights.directory, backend, pushes=backend is not None)
+    return Evaluator(eval_runner, records, eval_weights, self.config.rollout.concurrency)
+
+  def _train(self, source, evaluator, logger) -> None:
     c, row = self.cfg, None
     try:
-      self._first_evaluation(runner, eval_records, weights, logger)
+      self._first_evaluation(evaluator, logger)
       source.start(self.step)
       while self.step < c.steps:
         with self.timer("rollout_wait_s"):
@@ -294,12 +317,12 @@ class Trainer:
         final = self.step == c.steps
         if (c.eval_every and self.step % c.eval_every == 0) or final:
           with self.timer("eval_s"):
-            row.update(self.evaluate(runner, eval_records, weights, source.eval_version(self.step, final)))
+            row.update(evaluator(self.step, self.learner.actor))
           row.update(self.timer.lap())
         logger.write(row)
         row = None
         if self.step % c.checkpoint_every == 0 or final:
-          self._checkpoint(source.state(), weights, source.keep_versions_from(self.step))
+          self._checkpoint(source.state(), source)
     except NonFiniteError as err:
       logger.write(row)
       raise TrainingError(f"training stopped at step {self.step}: {err}. Nothing was saved over the last good "
@@ -311,7 +334,7 @@ class Trainer:
       if row is not None:            # the update happened: its row goes with the state saved below
         logger.write(row)
       state = source.state()
-      self._save_on_error(state, weights, source.keep_versions_from(self.step))
+      self._save_on_error(state, source)
       if isinstance(err, KeyboardInterrupt):
         raise
       buffered = len(state["buffer"])
@@ -329,11 +352,11 @@ class Trainer:
                                    shard_count=self.processes, state=saved.get("iterator"))
     return rollouts.PromptSource(iterator, saved.get("requeued"), saved.get("draws", 0))
 
-  def _first_evaluation(self, runner, eval_records, weights, logger) -> None:
+  def _first_evaluation(self, evaluator, logger) -> None:
     if self.resuming:
       logger.note(f"resumed from step {self.step} (weights version {self.step}) in {self.workdir}")
       return
-    evaluation = self.evaluate(runner, eval_records, weights, self.step)
+    evaluation = evaluator(self.step, self.learner.actor)
     if evaluation:
       self.record["initial_eval_accuracy"] = evaluation["eval_accuracy"]
       logger.write({"step": 0, **evaluation})
@@ -365,34 +388,24 @@ class Trainer:
         "nonfinite_count": metrics["nonfinite_count"],
     }
 
-  def evaluate(self, runner, records: list[dict], weights: WeightStore, version: int) -> dict:
-    """Greedy accuracy on the held-out split of weights `version` (pushed first if needed)."""
-    weights.push(version, self.learner.actor if version == self.step else None)
-    if not multihost.is_chief():
-      return {}
-    episodes = rollouts.collect(runner, records, self.config.rollout.concurrency, greedy=True)
-    return {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
-            "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
-            "eval_version": version}
-
   # --- saving -------------------------------------------------------------------------
 
-  def _checkpoint(self, process_state: dict, weights: WeightStore, keep_from: int) -> None:
+  def _checkpoint(self, process_state: dict, source) -> None:
     """All processes: the learner state (orbax), and each process's data position and buffer."""
     self.record.update(step=self.step, version=self.step, processes=multihost.gather_json(process_state))
     self.checkpointer.save(self.step, self.learner.state, self.learner.rng, self.record)
     with contextlib.suppress(FileNotFoundError):
       os.remove(self._stopped_state_path())
-    weights.prune(keep_from)
+    source.weights.prune(source.keep_versions_from(self.step))
 
-  def _save_on_error(self, process_state: dict, weights: WeightStore, keep_from: int) -> None:
+  def _save_on_error(self, process_state: dict, source) -> None:
     """Save without collectives, so one failing learner process cannot hang the others.
 
     One process: the full checkpoint. Several: this process's data position and
     buffered episodes, next to the last complete checkpoint, which a resume restores.
     """
     if self.processes == 1:
-      self._checkpoint(process_state, weights, keep_from)
+      self._checkpoint(process_state, source)
       return
     os.makedirs(self.checkpointer.directory, exist_ok=True)
     checkpoint.write_atomically(self._stopped_state_path(), lambda tmp: _write_json(tmp, process_state))
@@ -421,6 +434,22 @@ class Trainer:
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     return summary
+
+
+class Evaluator:
+  """Greedy accuracy on the held-out split of the learner's weights at `version` (pushed first)."""
+
+  def __init__(self, runner: rollouts.EpisodeRunner, records: list[dict], weights: WeightStore, workers: int):
+    self.runner, self.records, self.weights, self.workers = runner, records, weights, workers
+
+  def __call__(self, version: int, actor) -> dict:
+    self.weights.push(version, actor)
+    if not multihost.is_chief():
+      return {}
+    episodes = rollouts.collect(self.runner, self.records, self.workers, greedy=True)
+    return {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
+            "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
+            "eval_version": version}
 
 
 def _check_finite(row: dict) -> None:

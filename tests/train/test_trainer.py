@@ -29,7 +29,7 @@ def scripted_pool_factory(pools, **kwargs):
   tokenizer = tiny.make_tokenizer()
   end = tokenizer.encode("</code>", add_special_tokens=False)
 
-  def factory():
+  def factory(evaluation=False):
     pool = ScriptedPool(len(tokenizer), tool_call_end=end, seed=len(pools), **kwargs)
     pools.append(pool)
     return pool
@@ -57,11 +57,16 @@ def test_sync_mode_trains_on_fresh_weights_and_logs_every_metric(tmp_path):
 
 @pytest.mark.parametrize("lag", [1, 3])
 def test_lag_mode_trains_on_weights_exactly_lag_versions_old(tmp_path, lag):
-  _, (pool,), rows = train(make_config(trainer=dict(mode="lag", lag=lag, steps=6, eval_every=0)), tmp_path)
+  _, (pool, eval_pool), rows = train(make_config(trainer=dict(mode="lag", lag=lag, steps=6, eval_every=2)),
+                                     tmp_path)
   for row in rows[1:]:
     expected = min(row["step"] - 1, lag)
     assert row["staleness_max"] == expected and row["staleness_mean"] == expected
-  assert pool.pushes == sorted(set(pool.pushes))
+  assert pool.pushes == sorted(set(pool.pushes)) and max(pool.pushes) == 5 - lag  # batch 6: version 5 − lag
+  # Evaluations measure the learner's current weights, on a server of their own.
+  evaluated = [(r["step"], r["eval_version"]) for r in rows if "eval_version" in r]
+  assert evaluated == [(0, 0), (2, 2), (4, 4), (6, 6)]
+  assert eval_pool.pushes == [0, 2, 4, 6]
 
 
 def test_async_mode_respects_the_staleness_bound(tmp_path):
