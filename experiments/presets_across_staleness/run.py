@@ -1,0 +1,68 @@
+"""Study: presets across controlled staleness (lag mode), held-out accuracy curves over seeds.
+
+  python experiments/presets_across_staleness/run.py            # default grid, about an hour here
+  python experiments/presets_across_staleness/run.py --full     # 6 presets × k ∈ {4, 16, 64}, 3 seeds
+  python experiments/presets_across_staleness/run.py --render   # tables and figures from results.json
+
+Resumable: finished cells are read, not rerun (workdirs under --root). The grid, the seeds and
+the updates per cell are stated in results.json next to every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import study  # noqa: E402
+
+DEFAULT = dict(presets=("async_ppo", "decoupled_ppo", "copc"), lags=(4, 16), seeds=(0, 1, 2), steps=80)
+FULL = dict(presets=("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace", "copc"), lags=(4, 16, 64),
+            seeds=(0, 1, 2), steps=300)
+
+
+def cells(presets, lags) -> list[study.Cell]:
+  grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync"})]
+  grid += [study.Cell(f"{preset}_k{lag}", {"preset": preset, "trainer.mode": "lag", "trainer.lag": lag})
+           for lag in lags for preset in presets]
+  return grid
+
+
+def render(results: dict, grid: dict) -> None:
+  groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [f"{p}_k{lag}" for p in grid["presets"]]
+            for lag in grid["lags"]}
+  study.curves_figure(results, os.path.join(HERE, "curves.png"), groups)
+  text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
+          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
+          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.\n\n"
+          + study.table(results) + "\n\n![held-out accuracy curves](curves.png)")
+  study.write_between_markers(os.path.join(HERE, "README.md"), "results", text)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--full", action="store_true")
+  parser.add_argument("--render", action="store_true", help="only render results.json")
+  parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_presets_across_staleness"))
+  args = parser.parse_args()
+  grid = FULL if args.full else DEFAULT
+  out = os.path.join(HERE, "results_full.json" if args.full else "results.json")
+  if args.render:
+    import json
+    with open(out) as f:
+      render(json.load(f), grid)
+    return
+  results = study.run(cells(grid["presets"], grid["lags"]), list(grid["seeds"]), config="configs/default.py",
+                      root=args.root, out=out,
+                      common={"trainer.steps": grid["steps"], "trainer.eval_every": 20,
+                              "trainer.checkpoint_every": 20},
+                      description="presets across staleness: lag mode, held-out accuracy of the learner")
+  render(results, grid)
+
+
+if __name__ == "__main__":
+  main()

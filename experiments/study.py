@@ -1,0 +1,243 @@
+"""Run a study: a grid of config overrides × seeds, each cell a run of the main job; aggregate; render.
+
+    from experiments import study
+    cells = [study.Cell("copc_k16", {"preset": "copc", "trainer.mode": "lag", "trainer.lag": 16}), ...]
+    results = study.run(cells, seeds=[0, 1, 2], config="configs/default.py", root=WORKDIRS,
+                        out="experiments/<study>/results.json", common={"trainer.steps": 100})
+    study.render(results, "experiments/<study>")     # table in README.md, figures as PNG
+
+- Every cell × seed is `python -m copc_jax.main --config=... --config.seed=S --config.<k>=<v>` in its
+  own process and workdir (`root/<cell>/seed<S>`).
+- One warm start per seed, shared by every cell (`root/_warm_start/seed<S>`, `warm_start.prepare`):
+  cells start from the same weights and skip the ~1 minute of supervised steps.
+- Resumable: a cell whose `summary.json` exists is read, not rerun; rerunning the command (with more
+  seeds or cells) extends the study. The results JSON is rewritten after every cell.
+- The JSON holds, per cell and seed, the curves and summary numbers of `summarise`, the aggregate
+  (mean, std over seeds), and the provenance: git commit, jax version, resolved base config.
+
+Servers are not shared across cells: a cell's versions restart at 0 and a server's only move
+forward, so each cell starts its own (about 15 s of a 2–3 minute cell here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  name: str
+  overrides: dict          # {"preset": "copc", "trainer.lag": 16, ...}: config fields (dotted) → values
+
+
+def git_commit() -> str:
+  out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+  dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
+  return out + ("+uncommitted" if dirty else "")
+
+
+def _config_path_and_arg(config: str, overrides: dict) -> str:
+  """`configs/x.py[:preset]`: the preset goes in the config file's argument."""
+  return f"{config}:{overrides['preset']}" if "preset" in overrides else config
+
+
+def _flags(overrides: dict) -> list[str]:
+  flags = []
+  for key, value in overrides.items():
+    if key == "preset":
+      continue
+    text = repr(tuple(value)) if isinstance(value, list | tuple) else str(value)
+    flags.append(f"--config.{key}={text}")
+  return flags
+
+
+def _load_config(config: str, overrides: dict, seed: int):
+  """The typed config of a cell (for its warm start and the provenance)."""
+  import importlib.util
+
+  from copc_jax import config as config_lib
+  spec = importlib.util.spec_from_file_location("study_config", os.path.join(ROOT, config))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  raw = module.get_config(overrides.get("preset"))
+  raw.seed = seed
+  for key, value in overrides.items():
+    if key != "preset":
+      section, field = key.split(".")
+      raw[section][field] = tuple(value) if isinstance(value, list) else value
+  return config_lib.from_config_dict(raw)
+
+
+def shared_warm_start(config: str, common: dict, seed: int, root: str) -> str | None:
+  """The warm-started model of `seed`, built once under `root/_warm_start` (None: no warm start)."""
+  from copc_jax.envs.tasks import make_task
+  from copc_jax.train import trainer, warm_start
+  typed = _load_config(config, common, seed)
+  if not typed.warm_start.steps:
+    return None
+  directory = os.path.join(root, "_warm_start", f"seed{seed}")
+  base = trainer.base_checkpoint(typed, directory)
+  return warm_start.prepare(make_task(typed.task, seed), base, directory, typed.warm_start, seed=seed)
+
+
+def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: str | None) -> None:
+  command = [sys.executable, "-m", "copc_jax.main", f"--config={_config_path_and_arg(config, overrides)}",
+             f"--workdir={workdir}", f"--config.seed={seed}", "--config.trainer.progress_bar=False",
+             *_flags({k: v for k, v in overrides.items()})]
+  if warm_model is not None:   # the shared warm start replaces this run's own
+    command += [f"--config.model.checkpoint={warm_model}", "--config.warm_start.steps=0"]
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "stdout.log"), "a") as log:
+    subprocess.run(command, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT,
+                   env={**os.environ, "XLA_FLAGS": ""})
+
+
+def summarise(workdir: str, target: float) -> dict:
+  """One run's numbers: the held-out curve, final accuracy, AUC, peak-to-final drop, updates to `target`."""
+  from copc_jax.train import metrics
+  rows = metrics.read_metrics(workdir)
+  curve = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+  updates = [r for r in rows if r.get("step", 0) >= 1]
+  steps, accuracy = np.array([s for s, _ in curve], float), np.array([a for _, a in curve], float)
+  reached = [s for s, a in curve if a >= target]
+  mean_of = lambda key: float(np.mean([r[key] for r in updates if r.get(key) is not None]))
+  return {
+      "eval_curve": curve,
+      "final_eval_accuracy": float(accuracy[-1]),
+      # Mean held-out accuracy over the run: the area under the curve / the number of updates.
+      "auc": float(np.trapezoid(accuracy, steps) / max(steps[-1] - steps[0], 1)),
+      "peak_to_final_drop": float(accuracy.max() - accuracy[-1]),
+      "updates_to_target": reached[0] if reached else None,
+      "mask_fraction_mean": mean_of("mask_fraction"), "ess_mean": mean_of("ess"),
+      "staleness_mean": mean_of("staleness_mean"), "reward_last_10": float(np.mean(
+          [r["reward_mean"] for r in updates[-10:]])),
+      "series": {key: [r.get(key) for r in updates] for key in ("reward_mean", "mask_fraction", "ess",
+                                                               "grad_norm", "staleness_mean")},
+  }
+
+
+def aggregate(per_seed: dict[int, dict]) -> dict:
+  """Mean, std, min, max over seeds of each scalar (updates_to_target: over the seeds that reached it)."""
+  out = {}
+  for key in ("final_eval_accuracy", "auc", "peak_to_final_drop", "updates_to_target", "mask_fraction_mean",
+              "ess_mean", "staleness_mean", "reward_last_10"):
+    values = np.array([r[key] for r in per_seed.values() if r.get(key) is not None], float)
+    out[key] = ({"mean": float(values.mean()), "std": float(values.std()), "min": float(values.min()),
+                 "max": float(values.max()), "n": int(values.size)} if values.size else None)
+  return out
+
+
+def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str, common: dict | None = None,
+        target: float = 0.8, description: str = "") -> dict:
+  """Run (or read) every cell × seed and write the results JSON after each; returns it."""
+  import jax
+  common = dict(common or {})
+  results = {"description": description, "config": config, "common_overrides": common, "seeds": seeds,
+             "target_accuracy": target, "git_commit": git_commit(), "jax_version": jax.__version__,
+             "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+             "base_config": json.loads(json.dumps(dataclasses.asdict(_load_config(config, common, seeds[0])),
+                                                  default=str)),
+             "cells": {}}
+  if os.path.exists(out):     # keep what an earlier invocation measured (its commit stays on the cell)
+    with open(out) as f:
+      results["cells"] = json.load(f).get("cells", {})
+  for seed in seeds:
+    warm_model = None
+    for cell in cells:
+      workdir = os.path.join(root, cell.name, f"seed{seed}")
+      entry = results["cells"].setdefault(cell.name, {"overrides": {**common, **cell.overrides}, "runs": {}})
+      if not os.path.exists(os.path.join(workdir, "summary.json")):
+        if warm_model is None:
+          warm_model = shared_warm_start(config, common, seed, root) or ""
+        start = time.time()
+        print(f"[{time.strftime('%H:%M:%S')}] {cell.name} seed {seed}", flush=True)
+        run_cell(config, {**common, **cell.overrides}, seed, workdir, warm_model or None)
+        entry["runs"][str(seed)] = {**summarise(workdir, target), "wall_time_s": time.time() - start,
+                                    "git_commit": results["git_commit"]}
+      elif str(seed) not in entry["runs"]:
+        entry["runs"][str(seed)] = {**summarise(workdir, target), "git_commit": results["git_commit"]}
+      entry["aggregate"] = aggregate(entry["runs"])
+      _write_json(out, results)
+  return results
+
+
+def _write_json(path: str, value) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+# --- rendering: tables and figures from the JSON, never typed by hand -----------------------------------
+
+def _fmt(stat, digits=3) -> str:
+  if stat is None:
+    return "–"
+  return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def table(results: dict, cells: list[str] | None = None) -> str:
+  """Markdown: one row per cell, mean ± std over seeds."""
+  lines = ["| cell | seeds | final accuracy | AUC | peak → final drop | updates to "
+           f"{results['target_accuracy']:.2f} (seeds that reached it) | mask fraction | ESS | staleness |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for name in cells or results["cells"]:
+    entry = results["cells"][name]
+    a = entry["aggregate"]
+    reached = a["updates_to_target"]
+    to_target = "–" if reached is None else f"{reached['mean']:.0f} ({reached['n']}/{len(entry['runs'])})"
+    lines.append(f"| {name} | {len(entry['runs'])} | {_fmt(a['final_eval_accuracy'])} | {_fmt(a['auc'])} | "
+                 f"{_fmt(a['peak_to_final_drop'])} | {to_target} | {_fmt(a['mask_fraction_mean'], 4)} | "
+                 f"{_fmt(a['ess_mean'])} | {_fmt(a['staleness_mean'], 1)} |")
+  return "\n".join(lines)
+
+
+def curves_figure(results: dict, path: str, groups: dict[str, list[str]]) -> None:
+  """Held-out accuracy against updates, mean ± std over seeds, one panel per group of cells."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), sharey=True, squeeze=False)
+  for ax, (title, names) in zip(axes[0], groups.items()):
+    for name in names:
+      runs = results["cells"].get(name, {}).get("runs", {})
+      if not runs:
+        continue
+      curves = [dict(map(tuple, r["eval_curve"])) for r in runs.values()]
+      steps = sorted(set.intersection(*(set(c) for c in curves)))
+      values = np.array([[c[s] for s in steps] for c in curves])
+      mean, std = values.mean(0), values.std(0)
+      ax.plot(steps, mean, label=f"{name} (n={len(curves)})")
+      ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
+    ax.set_title(title)
+    ax.set_xlabel("update")
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel("held-out accuracy (greedy)")
+  axes[0][-1].legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_between_markers(path: str, name: str, text: str) -> None:
+  """Replace what lies between `<!-- name:begin -->` and `<!-- name:end -->` in `path`."""
+  with open(path) as f:
+    content = f.read()
+  begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+  if begin not in content or end not in content:
+    raise ValueError(f"{path} has no {begin} … {end} markers")
+  head, rest = content.split(begin, 1)
+  _, tail = rest.split(end, 1)
+  with open(path, "w") as f:
+    f.write(f"{head}{begin}\n{text}\n{end}{tail}")

@@ -1,0 +1,67 @@
+"""The study runner: a 2-cell × 2-seed grid of real runs end to end, resume, aggregation, rendering."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import study  # noqa: E402
+
+TINY = {"trainer.steps": 2, "trainer.batch_size": 8, "trainer.eval_every": 2, "trainer.checkpoint_every": 2,
+        "task.train_size": 64, "task.eval_size": 8, "warm_start.steps": 5, "warm_start.batch_size": 8,
+        "rollout.num_servers": 1, "rollout.slots": 4, "rollout.max_in_flight": 4,
+        "rollout.max_tokens_per_turn": 16}
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_runs_resumes_and_aggregates(tmp_path, monkeypatch):
+  cells = [study.Cell("copc_k1", {"preset": "copc", "trainer.mode": "lag", "trainer.lag": 1}),
+           study.Cell("async_ppo_k1", {"preset": "async_ppo", "trainer.mode": "lag", "trainer.lag": 1})]
+  out = str(tmp_path / "results.json")
+  results = study.run(cells, [0, 1], config="configs/default.py", root=str(tmp_path / "runs"), out=out,
+                      common=TINY, target=0.0)
+  assert json.load(open(out)) == json.loads(json.dumps(results))
+  assert results["git_commit"] and results["jax_version"] and results["base_config"]["trainer"]["steps"] == 2
+  for name in ("copc_k1", "async_ppo_k1"):
+    runs = results["cells"][name]["runs"]
+    assert sorted(runs) == ["0", "1"]
+    for run in runs.values():
+      assert [s for s, _ in run["eval_curve"]] == [0, 2] and run["updates_to_target"] == 0
+      assert len(run["series"]["reward_mean"]) == 2
+    finals = [r["final_eval_accuracy"] for r in runs.values()]
+    assert results["cells"][name]["aggregate"]["final_eval_accuracy"]["mean"] == pytest.approx(np.mean(finals))
+  # One warm start per seed, shared by both cells; the run configs name it.
+  assert sorted(os.listdir(tmp_path / "runs" / "_warm_start")) == ["seed0", "seed1"]
+  log = (tmp_path / "runs" / "copc_k1" / "seed1" / "stdout.log").read_text()
+  assert "_warm_start/seed1/model" in log and '"lag": 1' in log
+
+  def must_not_run(*args, **kwargs):
+    raise AssertionError("a finished cell was run again")
+  monkeypatch.setattr(study, "run_cell", must_not_run)
+  again = study.run(cells, [0, 1], config="configs/default.py", root=str(tmp_path / "runs"), out=out,
+                    common=TINY, target=0.0)
+  assert again["cells"] == json.loads(json.dumps(results["cells"]))
+
+  readme = tmp_path / "README.md"
+  readme.write_text("# study\n<!-- results:begin -->\nold\n<!-- results:end -->\ntail\n")
+  study.write_between_markers(str(readme), "results", study.table(again))
+  text = readme.read_text()
+  assert "old" not in text and "| copc_k1 | 2 |" in text and text.endswith("tail\n")
+  study.curves_figure(again, str(tmp_path / "curves.png"), {"k = 1": ["copc_k1", "async_ppo_k1"]})
+  assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_aggregate_counts_only_seeds_that_reached_the_target():
+  runs = {"0": {"final_eval_accuracy": 0.5, "updates_to_target": 10, "auc": 0.4, "peak_to_final_drop": 0.0,
+                "mask_fraction_mean": 0.0, "ess_mean": 1.0, "staleness_mean": 4.0, "reward_last_10": 0.5},
+          "1": {"final_eval_accuracy": 0.7, "updates_to_target": None, "auc": 0.6, "peak_to_final_drop": 0.1,
+                "mask_fraction_mean": 0.0, "ess_mean": 1.0, "staleness_mean": 4.0, "reward_last_10": 0.7}}
+  a = study.aggregate(runs)
+  assert a["final_eval_accuracy"]["mean"] == pytest.approx(0.6)
+  assert a["final_eval_accuracy"]["std"] == pytest.approx(0.1)
+  assert a["updates_to_target"] == {"mean": 10.0, "std": 0.0, "min": 10.0, "max": 10.0, "n": 1}
