@@ -32,6 +32,8 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)         # configs/ imports `configs.common`
 
 
 @dataclasses.dataclass(frozen=True)
