@@ -61,33 +61,75 @@ def run_episode(generate: GenerateFn, prompt_ids: Sequence[int], *, tool: ToolFn
   generated with `request_seed(seed, i)`: the episode depends only on the
   prompt, the seed and the weights.
   """
+  if max_prompt_length is not None and len(prompt_ids) > max_prompt_length or \
+      max_length is not None and len(prompt_ids) >= max_length:
+    raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the rollout servers take at most "
+                     f"{max_prompt_length} (max_prefill_length) with room to generate in {max_length}")
+  return continue_episode(generate, Trajectory(prompt_ids=list(prompt_ids)), tool=tool,
+                          tool_call_end=tool_call_end, max_turns=max_turns,
+                          max_tokens_per_turn=max_tokens_per_turn, max_prompt_length=max_prompt_length,
+                          max_length=max_length, seed=seed, **sampling)
+
+
+def prefix(trajectory: Trajectory, length: int) -> Trajectory:
+  """The first `length` tokens after the prompt, as a trajectory that `continue_episode` can resume."""
+  mask = trajectory.mask[:length]
+  turns = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+  return Trajectory(prompt_ids=list(trajectory.prompt_ids), token_ids=trajectory.token_ids[:length],
+                    mask=mask, logprobs=trajectory.logprobs[:length], versions=trajectory.versions[:length],
+                    num_turns=turns)
+
+
+def continue_episode(generate: GenerateFn, trajectory: Trajectory, *, tool: ToolFn,
+                     tool_call_end: Sequence[int], max_turns: int = 4, max_tokens_per_turn: int = 64,
+                     max_prompt_length: int | None = None, max_length: int | None = None,
+                     seed: int | None = None, stop_ids: Sequence[int] = (), **sampling) -> Trajectory:
+  """Play an episode on from `trajectory`, which may end inside a turn (a prefix of another episode).
+
+  A turn in progress is continued, and the tool sees the whole turn; a prefix that
+  already ends with the tool call goes to the tool, one that ends with a token of
+  `stop_ids` (EOS) is finished. `run_episode` is this from the bare prompt.
+  """
   if max_turns < 1 or max_tokens_per_turn < 1:
     raise ValueError("max_turns and max_tokens_per_turn must be >= 1")
-  trajectory = Trajectory(prompt_ids=list(prompt_ids))
-  for turn in range(max_turns):
-    context = trajectory.context
-    room = max_tokens_per_turn if max_length is None else min(max_tokens_per_turn, max_length - len(context))
-    if room < 1 or (max_prompt_length is not None and len(context) > max_prompt_length):
-      if turn == 0:
-        raise ValueError(f"the prompt has {len(context)} tokens; the rollout servers take at most "
-                         f"{max_prompt_length} (max_prefill_length) with room to generate in {max_length}")
-      trajectory.finish_reason = "context_full"
+  trajectory = dataclasses.replace(trajectory, token_ids=list(trajectory.token_ids), mask=list(trajectory.mask),
+                                   logprobs=list(trajectory.logprobs), versions=list(trajectory.versions))
+  open_turn = []                                   # the policy tokens of a turn in progress
+  for token, generated in zip(reversed(trajectory.token_ids), reversed(trajectory.mask), strict=True):
+    if not generated:
+      break
+    open_turn.insert(0, token)
+  turn = trajectory.num_turns - 1 if open_turn else trajectory.num_turns
+  end = list(tool_call_end)
+  while turn < max_turns:
+    if open_turn and open_turn[-1] in stop_ids:
+      trajectory.finish_reason = "stop"
       return trajectory
-    if seed is not None:
-      sampling["seed"] = request_seed(seed, turn)
-    out = generate(context, room, stop_sequences=[list(tool_call_end)], **sampling)
-    trajectory.append(out.token_ids, generated=True, logprobs=out.logprobs, versions=out.versions)
-    trajectory.num_turns = turn + 1
-    trajectory.finish_reason = out.finish_reason
-    if out.finish_reason != "stop_sequence":
-      return trajectory
-    output = tool(list(out.token_ids))
+    if not (open_turn and open_turn[-len(end):] == end):
+      context = trajectory.context
+      room = max_tokens_per_turn - len(open_turn)
+      room = room if max_length is None else min(room, max_length - len(context))
+      if room < 1 or (max_prompt_length is not None and len(context) > max_prompt_length):
+        trajectory.finish_reason = "context_full"
+        return trajectory
+      if seed is not None:
+        sampling["seed"] = request_seed(seed, turn)
+      out = generate(context, room, stop_sequences=[end], **sampling)
+      trajectory.append(out.token_ids, generated=True, logprobs=out.logprobs, versions=out.versions)
+      trajectory.num_turns = turn + 1
+      trajectory.finish_reason = out.finish_reason
+      if out.finish_reason != "stop_sequence":
+        return trajectory
+      open_turn += list(out.token_ids)
+    output = tool(open_turn)
+    open_turn = []
     if max_length is not None and len(trajectory.context) + len(output) >= max_length:
       # No room for another turn: keep what fits (context only, nothing follows it).
       trajectory.append(output[:max_length - len(trajectory.context)], generated=False)
       trajectory.finish_reason = "context_full"
       return trajectory
     trajectory.append(output, generated=False)
+    turn += 1
   trajectory.finish_reason = "max_turns"
   return trajectory
 

@@ -36,6 +36,39 @@ def test_episode_structure_with_a_scripted_generator():
   assert batch.behavior_logprobs[0, 2:5].tolist() == [-1.0, -2.0, -3.0]
 
 
+def test_an_episode_continues_from_inside_a_turn():
+  full = agent.Trajectory(prompt_ids=[1, 3])
+  full.append([5, 6, 9], generated=True, logprobs=[-1.0] * 3, versions=[0] * 3)
+  full.append(TOOL_OUTPUT, generated=False)
+  full.append([7, 8], generated=True, logprobs=[-1.0] * 2, versions=[0] * 2)
+  full.num_turns = 2
+  seen_turns, contexts = [], []
+
+  def tool(turn_tokens):
+    seen_turns.append(list(turn_tokens))
+    return list(TOOL_OUTPUT)
+
+  def generate(context, max_tokens, **kw):
+    contexts.append((list(context), max_tokens))
+    return Generation([6, 9], [-0.5, -0.5], [1, 1], "stop_sequence") if len(contexts) == 1 else \
+        Generation([2], [-0.1], [1], "stop")
+
+  inside = agent.prefix(full, 1)                                 # [5]: the first turn in progress
+  assert inside.num_turns == 1 and inside.mask == [True]
+  t = agent.continue_episode(generate, inside, tool=tool, tool_call_end=[9], max_turns=4,
+                             max_tokens_per_turn=8)
+  assert seen_turns == [[5, 6, 9]]                               # the tool sees the whole turn
+  assert contexts[0] == ([1, 3, 5], 7)                           # the turn's budget counts its start
+  assert t.token_ids == [5, 6, 9, *TOOL_OUTPUT, 2] and t.num_turns == 2 and t.finish_reason == "stop"
+  seen_turns.clear()
+  at_call = agent.continue_episode(lambda *a, **k: Generation([2], [-0.1], [1], "stop"), agent.prefix(full, 3),
+                                   tool=tool, tool_call_end=[9], max_turns=4)
+  assert seen_turns == [[5, 6, 9]] and at_call.token_ids == [5, 6, 9, *TOOL_OUTPUT, 2]
+  ended = agent.continue_episode(None, agent.prefix(full, 8), tool=tool, tool_call_end=[9], stop_ids=[8])
+  assert ended.finish_reason == "stop" and ended.token_ids == full.token_ids
+  assert agent.prefix(full, 7).num_turns == 2
+
+
 def test_turn_limit():
   generate = lambda context, max_tokens, **kw: Generation([9], [-1.0], [0], "stop_sequence")
   t = agent.run_episode(generate, [1], tool=fixed_tool, tool_call_end=[9], max_turns=3)
