@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from copc_jax.envs.tasks import Task
-from copc_jax.rollout.agent import GenerateFn, Trajectory, request_seed, run_episode
+from copc_jax.rollout.agent import GenerateFn, Trajectory, continue_episode, request_seed, run_episode
 from copc_jax.sampling import SamplingParams
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
@@ -119,6 +119,19 @@ class EpisodeRunner:
                              max_tokens_per_turn=c.max_tokens_per_turn,
                              max_prompt_length=c.max_prefill_length, max_length=c.max_length, seed=seed,
                              **sampling)
+    return self._scored(trajectory, record)
+
+  def continue_from(self, trajectory: Trajectory, record: dict, *, seed: int) -> Episode:
+    """Play the episode of `record` on from `trajectory` (a prefix, possibly inside a turn), scored."""
+    c = self.config
+    played = continue_episode(self.generate, trajectory, tool=self._tool, tool_call_end=self.tool_call_end,
+                              max_turns=c.max_turns, max_tokens_per_turn=c.max_tokens_per_turn,
+                              max_prompt_length=c.max_prefill_length, max_length=c.max_length, seed=seed,
+                              stop_ids=[self.tokenizer.eos_token_id], temperature=c.temperature,
+                              top_p=c.top_p, top_k=c.top_k)
+    return self._scored(played, record)
+
+  def _scored(self, trajectory: Trajectory, record: dict) -> Episode:
     response = self.tokenizer.decode(trajectory.token_ids, skip_special_tokens=True)
     trajectory.reward, correct = self.task.score(response, record)
     return Episode(trajectory, record, bool(correct))
