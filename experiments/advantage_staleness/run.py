@@ -184,9 +184,10 @@ def render(results: dict) -> None:
   fig.savefig(os.path.join(HERE, "advantage_error.png"), dpi=110)
   plt.close(fig)
   f = lambda s: f"{s['value']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
-  lines = [f"Learner version {results['learner_version']} of a lag-64 COPC run ({results['updates']} updates, "
-           f"seed {results['seed']}); {results['episodes']} episodes per lag, M = {results['mc_continuations']}; "
-           f"commit {results['git_commit'][:10]}, jax {results['jax_version']}. Brackets: 95% bootstrap CIs.", "",
+  r = results
+  lines = [f"Learner version {r['learner_version']} of a lag-64 COPC run ({r['updates']} updates, "
+           f"seed {r['seed']}); {r['episodes']} episodes per lag, M = {r['mc_continuations']}; "
+           f"commit {r['git_commit'][:10]}, jax {r['jax_version']}. Brackets: 95% bootstrap CIs.", "",
            "| k | tokens | mean abs log r | tokens outside (0.5, 2) | estimator | bias | MSE | correlation |",
            "|---:|---:|---:|---:|---|---:|---:|---:|"]
   for k in lags:
