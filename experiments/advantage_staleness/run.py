@@ -160,7 +160,7 @@ def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
   return out
 
 
-def render(results: dict) -> None:
+def render(results: dict, here: str = HERE) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -181,7 +181,7 @@ def render(results: dict) -> None:
       ax.grid(alpha=0.3)
   axes[2].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(HERE, "advantage_error.png"), dpi=110)
+  fig.savefig(os.path.join(here, "advantage_error.png"), dpi=110)
   plt.close(fig)
   f = lambda s: f"{s['value']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
   r = results
@@ -198,7 +198,7 @@ def render(results: dict) -> None:
               f"{row['outside_default_mask']:.3f} |") if j == 0 else "| | | | |"
       lines.append(f"{head} {name} | {f(m['bias'])} | {f(m['mse'])} | {f(m['correlation'])} |")
   lines += ["", "![advantage error against lag](advantage_error.png)"]
-  study.write_between_markers(os.path.join(HERE, "README.md"), "results", "\n".join(lines))
+  study.write_between_markers(os.path.join(here, "README.md"), "results", "\n".join(lines))
 
 
 def main():

@@ -73,7 +73,7 @@ def measure(num_trees: int) -> dict:
   return rows
 
 
-def render(results: dict) -> None:
+def render(results: dict, here: str = HERE) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -94,7 +94,7 @@ def render(results: dict) -> None:
   axes[0].set_ylabel("relative to ‖g*‖")
   axes[2].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(HERE, "bias_and_mse.png"), dpi=110)
+  fig.savefig(os.path.join(here, "bias_and_mse.png"), dpi=110)
   plt.close(fig)
   fmt = lambda s: f"{s['mean']:.3f} ± {s['std']:.3f}"
   sections = []
@@ -114,7 +114,7 @@ def render(results: dict) -> None:
       sections.append("\n".join(lines))
   text = (f"Commit {results['git_commit'][:10]}, jax {results['jax_version']}.\n\n" + "\n\n".join(sections)
           + "\n\n![bias and MSE against drift](bias_and_mse.png)")
-  study.write_between_markers(os.path.join(HERE, "README.md"), "results", text)
+  study.write_between_markers(os.path.join(here, "README.md"), "results", text)
 
 
 def main():

@@ -32,15 +32,15 @@ def cells(presets, lags) -> list[study.Cell]:
   return grid
 
 
-def render(results: dict, grid: dict) -> None:
+def render(results: dict, grid: dict, here: str = HERE) -> None:
   groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [f"{p}_k{lag}" for p in grid["presets"]]
             for lag in grid["lags"]}
-  study.curves_figure(results, os.path.join(HERE, "curves.png"), groups)
+  study.curves_figure(results, os.path.join(here, "curves.png"), groups)
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.\n\n"
           + study.table(results) + "\n\n![held-out accuracy curves](curves.png)")
-  study.write_between_markers(os.path.join(HERE, "README.md"), "results", text)
+  study.write_between_markers(os.path.join(here, "README.md"), "results", text)
 
 
 def main():
