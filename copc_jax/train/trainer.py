@@ -322,7 +322,7 @@ class Trainer:
         logger.write(row)
         row = None
         if self.step % c.checkpoint_every == 0 or final:
-          self._checkpoint(source.state(), source)
+          self._checkpoint(source)
     except NonFiniteError as err:
       logger.write(row)
       raise TrainingError(f"training stopped at step {self.step}: {err}. Nothing was saved over the last good "
@@ -333,11 +333,9 @@ class Trainer:
       source.request_stop()
       if row is not None:            # the update happened: its row goes with the state saved below
         logger.write(row)
-      state = source.state()
-      self._save_on_error(state, source)
+      buffered = len(self._save_on_error(source)["buffer"])
       if isinstance(err, KeyboardInterrupt):
         raise
-      buffered = len(state["buffer"])
       raise TrainingError(
           f"training stopped at step {self.step}: {type(err).__name__}: {err}\nSaved: the learner state at "
           f"step {self.step} and {buffered} buffered episodes in {self.checkpointer.directory}. "
@@ -390,25 +388,29 @@ class Trainer:
 
   # --- saving -------------------------------------------------------------------------
 
-  def _checkpoint(self, process_state: dict, source) -> None:
+  def _checkpoint(self, source, process_state: dict | None = None) -> None:
     """All processes: the learner state (orbax), and each process's data position and buffer."""
+    process_state = process_state or source.state()
     self.record.update(step=self.step, version=self.step, processes=multihost.gather_json(process_state))
     self.checkpointer.save(self.step, self.learner.state, self.learner.rng, self.record)
     with contextlib.suppress(FileNotFoundError):
       os.remove(self._stopped_state_path())
     source.weights.prune(source.keep_versions_from(self.step))
 
-  def _save_on_error(self, process_state: dict, source) -> None:
+  def _save_on_error(self, source) -> dict:
     """Save without collectives, so one failing learner process cannot hang the others.
 
     One process: the full checkpoint. Several: this process's data position and
-    buffered episodes, next to the last complete checkpoint, which a resume restores.
+    buffered episodes, next to the last complete checkpoint, which a resume restores. Returns
+    what was saved of this process.
     """
+    process_state = source.state()
     if self.processes == 1:
-      self._checkpoint(process_state, source)
-      return
-    os.makedirs(self.checkpointer.directory, exist_ok=True)
-    checkpoint.write_atomically(self._stopped_state_path(), lambda tmp: _write_json(tmp, process_state))
+      self._checkpoint(source, process_state)
+    else:
+      os.makedirs(self.checkpointer.directory, exist_ok=True)
+      checkpoint.write_atomically(self._stopped_state_path(), lambda tmp: _write_json(tmp, process_state))
+    return process_state
 
   def _stopped_state_path(self) -> str:
     return os.path.join(self.checkpointer.directory, f"stopped_process_{jax.process_index()}.json")
