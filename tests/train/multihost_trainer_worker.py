@@ -1,8 +1,9 @@
 """One of two trainer processes joined through `jax.distributed` on localhost (see test_multihost.py).
 
-Usage: python multihost_trainer_worker.py PROCESS_ID COORDINATOR_PORT WORKDIR STEPS MODE
+Usage: python multihost_trainer_worker.py PROCESS_ID COORDINATOR_PORT WORKDIR STEPS MODE [FAIL_PROCESS_AFTER]
 Each process has its own scripted stand-in pool (as each would have its own local servers).
-Prints "RESULT {json}" with the versions its pool received.
+Prints "RESULT {json}" with the versions its pool received. With FAIL_PROCESS_AFTER = "P:N", the
+pool of process P raises after N generations; that process prints "STOPPED {message}" and exits 3.
 """
 
 import json
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax  # noqa: E402
 
 if __name__ == "__main__":
-  process_id, port, workdir, steps, mode = sys.argv[1:]
+  process_id, port, workdir, steps, mode, *fail = sys.argv[1:]
   try:   # multi-process collectives on CPU
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   except AttributeError:
@@ -31,6 +32,18 @@ if __name__ == "__main__":
   pools = []
   config = make_config(trainer=dict(mode=mode, steps=int(steps), checkpoint_every=1, eval_every=2,
                                     max_staleness=1))
-  summary = trainer.Trainer(config, workdir, backend_factory=scripted_pool_factory(pools)).run()
+  factory = scripted_pool_factory(pools)
+  if fail and fail[0].split(":")[0] == process_id:
+    def factory(evaluation=False, after=int(fail[0].split(":")[1])):
+      from test_trainer import FailingPool
+
+      from copc_jax.models import tiny
+      pools.append(FailingPool(len(tiny.make_tokenizer()), fail_after=after))
+      return pools[-1]
+  try:
+    summary = trainer.Trainer(config, workdir, backend_factory=factory).run()
+  except trainer.TrainingError as err:
+    print("STOPPED " + str(err).replace("\n", " "), flush=True)
+    os._exit(3)        # the other process waits in a collective; do not wait for it at exit
   print("RESULT " + json.dumps({"pushes": pools[0].pushes, "steps": summary["steps"],
                                 "process_count": jax.process_count()}), flush=True)

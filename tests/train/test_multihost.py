@@ -58,3 +58,27 @@ def test_two_trainer_processes_train_one_model_and_resume(tmp_path, mode):
   assert max(r["staleness_max"] for r in rows[1:]) <= (0 if mode == "sync" else 1)
   record = json.loads((tmp_path / "checkpoints" / "5" / "record" / "metadata").read_text())
   assert len(record["processes"]) == 2 and record["step"] == 5
+
+
+@pytest.mark.slow
+def test_a_failing_trainer_process_saves_without_collectives_and_the_run_resumes(tmp_path):
+  """Process 1's servers die: it saves its own state and exits without waiting for process 0."""
+  port = portpicker.pick_unused_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  command = lambda i: [sys.executable, os.path.join(HERE, "multihost_trainer_worker.py"), str(i), str(port),
+                       str(tmp_path), "4", "sync", "1:6"]
+  workers = [subprocess.Popen(command(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+  try:
+    out, err = workers[1].communicate(timeout=300)       # it must not hang in a collective
+    assert workers[1].returncode == 3, err[-3000:]
+    assert "STOPPED training stopped at step" in out and "PoolExhausted" in out
+  finally:
+    workers[0].kill()                                    # it waits in the next collective (known limit)
+    workers[0].communicate()
+  assert (tmp_path / "checkpoints" / "stopped_process_1.json").exists()
+  saved = json.loads((tmp_path / "checkpoints" / "stopped_process_1.json").read_text())
+  assert {"data", "buffer"} <= set(saved)
+  results = run_trainers(tmp_path, 4, "sync")              # healthy pools: both resume and finish
+  assert all(r["steps"] == 4 for r in results)
+  assert not (tmp_path / "checkpoints" / "stopped_process_1.json").exists()
