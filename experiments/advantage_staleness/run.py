@@ -133,7 +133,7 @@ def measure(args) -> dict:
                         "outside_default_mask": float((np.abs(log_ratio[policy]) > np.log(2)).mean()),
                         "reward_mean": float(np.mean([e.trajectory.reward for e in episodes])),
                         "metrics": summarise(tokens)}
-      print(json.dumps({k: v["COPC (defaults)"] for k, v in rows[str(lag)]["metrics"].items()}), flush=True)
+      print(json.dumps(rows[str(lag)]["metrics"]["COPC (defaults)"]), flush=True)
   return {"description": __doc__.splitlines()[0], "learner_version": version, "episodes": args.episodes,
           "mc_continuations": args.mc, "seed": args.seed, "updates": args.updates,
           "git_commit": study.git_commit(), "jax_version": jax.__version__, "lags": rows}
