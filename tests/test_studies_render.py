@@ -3,8 +3,10 @@
 import importlib.util
 import json
 import os
+import random
 import shutil
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,3 +37,25 @@ def test_the_readme_tables_are_rendered_from_the_json(study, tmp_path):
   with open(os.path.join(directory, "README.md")) as f:
     assert (tmp_path / "README.md").read_text() == f.read()
   assert list(tmp_path.glob("*.png"))
+
+
+def test_advantage_staleness_statistics():
+  from copc_jax.rollout import agent
+
+  module = load("advantage_staleness")
+  rng = np.random.default_rng(0)
+  target = rng.normal(size=400)
+  tokens = [{"mc_advantage": float(a), "mc_variance": 0.0,
+             "estimators": {"exact": float(a), "shifted": float(a + 0.5), "noisy": float(a + rng.normal())}}
+            for a in target]
+  metrics = module.summarise(tokens, resamples=200)
+  assert metrics["exact"]["bias"]["value"] == pytest.approx(0.0, abs=1e-12)
+  assert metrics["exact"]["correlation"]["value"] == pytest.approx(1.0)
+  assert metrics["shifted"]["bias"]["value"] == pytest.approx(0.5) and metrics["shifted"]["mse"]["value"] == \
+      pytest.approx(0.25)
+  low, high = metrics["noisy"]["mse"]["ci95"]
+  assert low < 1.0 < high                                   # Var = 1 inside its bootstrap CI
+  trajectory = agent.Trajectory(prompt_ids=[1], token_ids=list(range(10)),
+                                mask=[True] * 4 + [False] * 2 + [True] * 4)
+  chosen = module.chosen_positions(trajectory, random.Random(0), extra=1)
+  assert {0, 1, 6, 7} <= set(chosen) and len(chosen) == 5 and all(trajectory.mask[i] for i in chosen)
