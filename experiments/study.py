@@ -189,19 +189,31 @@ def _fmt(stat, digits=3) -> str:
   return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
 
 
-def table(results: dict, cells: list[str] | None = None) -> str:
-  """Markdown: one row per cell, mean ± std over seeds."""
-  lines = ["| cell | seeds | final accuracy | AUC | peak → final drop | updates to "
+def paired_difference(results: dict, name: str, reference: str, key: str = "final_eval_accuracy"):
+  """Mean ± std over the seeds both cells ran of (cell − reference): seeds differ far more than methods."""
+  runs, ref = results["cells"][name]["runs"], results["cells"][reference]["runs"]
+  values = np.array([runs[s][key] - ref[s][key] for s in runs if s in ref], float)
+  if not values.size:
+    return None
+  return {"mean": float(values.mean()), "std": float(values.std()), "n": int(values.size)}
+
+
+def table(results: dict, cells: list[str] | None = None, reference: str | None = None) -> str:
+  """Markdown: one row per cell, mean ± std over seeds (and the paired difference to `reference`)."""
+  paired = f" final − {reference} (paired) |" if reference else ""
+  lines = [f"| cell | seeds | final accuracy |{paired} AUC | peak → final drop | updates to "
            f"{results['target_accuracy']:.2f} (seeds that reached it) | mask fraction | ESS | staleness |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---:|---:|" + ("---:|" if reference else "") + "---:|---:|---:|---:|---:|---:|"]
   for name in cells or results["cells"]:
     entry = results["cells"][name]
     a = entry["aggregate"]
     reached = a["updates_to_target"]
     to_target = "–" if reached is None else f"{reached['mean']:.0f} ({reached['n']}/{len(entry['runs'])})"
-    lines.append(f"| {name} | {len(entry['runs'])} | {_fmt(a['final_eval_accuracy'])} | {_fmt(a['auc'])} | "
-                 f"{_fmt(a['peak_to_final_drop'])} | {to_target} | {_fmt(a['mask_fraction_mean'], 4)} | "
-                 f"{_fmt(a['ess_mean'])} | {_fmt(a['staleness_mean'], 1)} |")
+    difference = f" {_fmt(paired_difference(results, name, reference))} |" if reference else ""
+    lines.append(f"| {name} | {len(entry['runs'])} | {_fmt(a['final_eval_accuracy'])} |{difference} "
+                 f"{_fmt(a['auc'])} | {_fmt(a['peak_to_final_drop'])} | {to_target} | "
+                 f"{_fmt(a['mask_fraction_mean'], 4)} | {_fmt(a['ess_mean'])} | "
+                 f"{_fmt(a['staleness_mean'], 1)} |")
   return "\n".join(lines)
 
 

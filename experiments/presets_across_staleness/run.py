@@ -39,7 +39,7 @@ def render(results: dict, grid: dict, here: str = HERE) -> None:
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.\n\n"
-          + study.table(results) + "\n\n![held-out accuracy curves](curves.png)")
+          + study.table(results, reference="sync_ppo_k0") + "\n\n![held-out accuracy curves](curves.png)")
   study.write_between_markers(os.path.join(here, "README.md"), "results", text)
 
 
