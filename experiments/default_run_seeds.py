@@ -29,17 +29,13 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import study  # noqa: E402
 
 from configs import default  # noqa: E402
 from copc_jax import config as config_lib  # noqa: E402
 from copc_jax.train import metrics  # noqa: E402
-
-
-def git_commit() -> str:
-  out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-  dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                         capture_output=True, text=True).stdout.strip()
-  return out.stdout.strip() + ("+uncommitted" if dirty else "")
 
 
 def run_one(seed: int, workdir: str, extra: list[str]) -> dict:
@@ -65,12 +61,6 @@ def run_one(seed: int, workdir: str, extra: list[str]) -> dict:
   }
 
 
-def spread(values) -> dict:
-  values = np.asarray(values, float)
-  return {"mean": float(values.mean()), "std": float(values.std()), "min": float(values.min()),
-          "max": float(values.max()), "n": int(values.size)}
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -79,7 +69,7 @@ def main():
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "default_run.json"))
   parser.add_argument("overrides", nargs="*", help="extra --config.x=y flags for every run")
   args = parser.parse_args()
-  commit = git_commit()           # the code the runs start with
+  commit = study.git_commit()           # the code the runs start with
   jobs = [(s, f"seed{s}") for s in args.seeds] + [(args.seeds[0], f"seed{args.seeds[0]}_repeat{i + 1}")
                                                    for i in range(args.repeats)]
   runs = [run_one(seed, os.path.join(args.root, name), args.overrides) for seed, name in jobs]
@@ -91,9 +81,9 @@ def main():
       "config": dataclasses.asdict(config_lib.from_config_dict(default.get_config())),
       "overrides": args.overrides,
       "runs": runs,
-      "seeds": {key: spread([r[key] for r in by_seed]) for key in
+      "seeds": {key: study.spread([r[key] for r in by_seed]) for key in
                 ("initial_eval_accuracy", "final_eval_accuracy", "reward_first_10", "reward_last_10")},
-      "all_runs": {key: spread([r[key] for r in runs])
+      "all_runs": {key: study.spread([r[key] for r in runs])
                    for key in ("initial_eval_accuracy", "final_eval_accuracy")},
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -64,7 +64,7 @@ def _flags(overrides: dict) -> list[str]:
   return flags
 
 
-def _load_config(config: str, overrides: dict, seed: int):
+def load_config(config: str, overrides: dict, seed: int):
   """The typed config of a cell (for its warm start and the provenance)."""
   import importlib.util
 
@@ -85,7 +85,7 @@ def shared_warm_start(config: str, common: dict, seed: int, root: str) -> str | 
   """The warm-started model of `seed`, built once under `root/_warm_start` (None: no warm start)."""
   from copc_jax.envs.tasks import make_task
   from copc_jax.train import trainer, warm_start
-  typed = _load_config(config, common, seed)
+  typed = load_config(config, common, seed)
   if not typed.warm_start.steps:
     return None
   directory = os.path.join(root, "_warm_start", f"seed{seed}")
@@ -129,15 +129,20 @@ def summarise(workdir: str, target: float) -> dict:
   }
 
 
+def spread(values) -> dict | None:
+  """Mean, std, min, max and count of `values` (None if there are none)."""
+  values = np.asarray(values, float)
+  if not values.size:
+    return None
+  return {"mean": float(values.mean()), "std": float(values.std()), "min": float(values.min()),
+          "max": float(values.max()), "n": int(values.size)}
+
+
 def aggregate(per_seed: dict[int, dict]) -> dict:
-  """Mean, std, min, max over seeds of each scalar (updates_to_target: over the seeds that reached it)."""
-  out = {}
-  for key in ("final_eval_accuracy", "auc", "peak_to_final_drop", "updates_to_target", "mask_fraction_mean",
-              "ess_mean", "staleness_mean", "reward_last_10"):
-    values = np.array([r[key] for r in per_seed.values() if r.get(key) is not None], float)
-    out[key] = ({"mean": float(values.mean()), "std": float(values.std()), "min": float(values.min()),
-                 "max": float(values.max()), "n": int(values.size)} if values.size else None)
-  return out
+  """`spread` over seeds of each scalar (updates_to_target: over the seeds that reached it)."""
+  return {key: spread([r[key] for r in per_seed.values() if r.get(key) is not None])
+          for key in ("final_eval_accuracy", "auc", "peak_to_final_drop", "updates_to_target",
+                      "mask_fraction_mean", "ess_mean", "staleness_mean", "reward_last_10")}
 
 
 def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str, common: dict | None = None,
@@ -148,7 +153,7 @@ def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str
   results = {"description": description, "config": config, "common_overrides": common, "seeds": seeds,
              "target_accuracy": target, "git_commit": git_commit(), "jax_version": jax.__version__,
              "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-             "base_config": json.loads(json.dumps(dataclasses.asdict(_load_config(config, common, seeds[0])),
+             "base_config": json.loads(json.dumps(dataclasses.asdict(load_config(config, common, seeds[0])),
                                                   default=str)),
              "cells": {}}
   if os.path.exists(out):     # keep what an earlier invocation measured (its commit stays on the cell)
@@ -170,11 +175,11 @@ def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str
       elif str(seed) not in entry["runs"]:
         entry["runs"][str(seed)] = {**summarise(workdir, target), "git_commit": results["git_commit"]}
       entry["aggregate"] = aggregate(entry["runs"])
-      _write_json(out, results)
+      write_json(out, results)
   return results
 
 
-def _write_json(path: str, value) -> None:
+def write_json(path: str, value) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path + ".tmp", "w") as f:
     json.dump(value, f, indent=1)

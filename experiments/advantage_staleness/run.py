@@ -88,7 +88,7 @@ def measure(args) -> dict:
   if not os.path.exists(os.path.join(train_dir, "summary.json")):
     print(f"training {args.updates} updates at lag {max(LAGS)}...", flush=True)
     study.run_cell(config, overrides, args.seed, train_dir, warm)
-  typed = study._load_config(config, {**overrides, "model.checkpoint": warm, "warm_start.steps": 0}, args.seed)
+  typed = study.load_config(config, {**overrides, "model.checkpoint": warm, "warm_start.steps": 0}, args.seed)
   run = trainer.Trainer(typed, train_dir)              # restores the learner at version U
   version = run.step
   actor, critic = run.learner.actor, run.learner.critic
@@ -212,7 +212,7 @@ def main():
   parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
   args = parser.parse_args()
   if not args.render:
-    study._write_json(args.out, measure(args))
+    study.write_json(args.out, measure(args))
   with open(args.out) as f:
     results = json.load(f)
   if os.path.exists(os.path.join(HERE, "README.md")):

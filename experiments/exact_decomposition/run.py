@@ -131,7 +131,7 @@ def main():
                "methods": {name: json.loads(json.dumps(dataclasses.asdict(p), default=str))
                            for name, p in methods().items()},
                "rows": measure(args.trees)}
-    study._write_json(out, results)
+    study.write_json(out, results)
   with open(out) as f:
     render(json.load(f))
 
