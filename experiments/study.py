@@ -10,8 +10,9 @@
   own process and workdir (`root/<cell>/seed<S>`).
 - One warm start per seed, shared by every cell (`root/_warm_start/seed<S>`, `warm_start.prepare`):
   cells start from the same weights and skip the ~1 minute of supervised steps.
-- Resumable: a cell whose `summary.json` exists is read, not rerun; rerunning the command (with more
-  seeds or cells) extends the study. The results JSON is rewritten after every cell.
+- Resumable: a cell × seed already in the results JSON, or whose `summary.json` exists, is not rerun;
+  rerunning the command (with more seeds or cells, in a later session too) extends the study. The
+  results JSON is rewritten after every cell.
 - The JSON holds, per cell and seed, the curves and summary numbers of `summarise`, the aggregate
   (mean, std over seeds), and the provenance: git commit, jax version, resolved base config.
 
@@ -164,6 +165,8 @@ def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str
     for cell in cells:
       workdir = os.path.join(root, cell.name, f"seed{seed}")
       entry = results["cells"].setdefault(cell.name, {"overrides": {**common, **cell.overrides}, "runs": {}})
+      if str(seed) in entry["runs"]:
+        continue          # measured before (this session or an earlier one): the JSON is the record
       if not os.path.exists(os.path.join(workdir, "summary.json")):
         if warm_model is None:
           warm_model = shared_warm_start(config, common, seed, root) or ""
@@ -172,7 +175,7 @@ def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str
         run_cell(config, {**common, **cell.overrides}, seed, workdir, warm_model or None)
         entry["runs"][str(seed)] = {**summarise(workdir, target), "wall_time_s": time.time() - start,
                                     "git_commit": results["git_commit"]}
-      elif str(seed) not in entry["runs"]:
+      else:
         entry["runs"][str(seed)] = {**summarise(workdir, target), "git_commit": results["git_commit"]}
       entry["aggregate"] = aggregate(entry["runs"])
       write_json(out, results)

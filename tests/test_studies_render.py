@@ -30,10 +30,7 @@ def test_the_readme_tables_are_rendered_from_the_json(study, tmp_path):
   with open(os.path.join(directory, "results.json")) as f:
     results = json.load(f)
   module = load(study)
-  if study == "presets_across_staleness":
-    module.render(results, module.DEFAULT, here=str(tmp_path))
-  else:
-    module.render(results, here=str(tmp_path))
+  module.render(results, here=str(tmp_path))
   with open(os.path.join(directory, "README.md")) as f:
     assert (tmp_path / "README.md").read_text() == f.read()
   assert list(tmp_path.glob("*.png"))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -43,6 +44,7 @@ def test_a_tiny_grid_runs_resumes_and_aggregates(tmp_path, monkeypatch):
   def must_not_run(*args, **kwargs):
     raise AssertionError("a finished cell was run again")
   monkeypatch.setattr(study, "run_cell", must_not_run)
+  shutil.rmtree(tmp_path / "runs")           # a later session: only the committed JSON is left
   again = study.run(cells, [0, 1], config="configs/default.py", root=str(tmp_path / "runs"), out=out,
                     common=TINY, target=0.0)
   assert again["cells"] == json.loads(json.dumps(results["cells"]))

@@ -32,9 +32,11 @@ def cells(presets, lags) -> list[study.Cell]:
   return grid
 
 
-def render(results: dict, grid: dict, here: str = HERE) -> None:
-  groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [f"{p}_k{lag}" for p in grid["presets"]]
-            for lag in grid["lags"]}
+def render(results: dict, here: str = HERE) -> None:
+  cells = results["cells"].values()
+  lags = sorted({c["overrides"]["trainer.lag"] for c in cells if "trainer.lag" in c["overrides"]})
+  groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [
+      name for name, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag] for lag in lags}
   study.curves_figure(results, os.path.join(here, "curves.png"), groups)
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
@@ -47,21 +49,26 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--full", action="store_true")
   parser.add_argument("--render", action="store_true", help="only render results.json")
+  parser.add_argument("--presets", nargs="+", help="extend the default grid with these presets")
+  parser.add_argument("--lags", type=int, nargs="+", help="... at these lags")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_presets_across_staleness"))
   args = parser.parse_args()
-  grid = FULL if args.full else DEFAULT
+  grid = dict(FULL if args.full else DEFAULT)
+  if args.presets or args.lags:       # an extension of the same study: same seeds and updates
+    grid["presets"] = tuple(dict.fromkeys((*grid["presets"], *(args.presets or ()))))
+    grid["lags"] = tuple(dict.fromkeys((*grid["lags"], *(args.lags or ()))))
   out = os.path.join(HERE, "results_full.json" if args.full else "results.json")
   if args.render:
     import json
     with open(out) as f:
-      render(json.load(f), grid)
+      render(json.load(f))
     return
   results = study.run(cells(grid["presets"], grid["lags"]), list(grid["seeds"]), config="configs/default.py",
                       root=args.root, out=out,
                       common={"trainer.steps": grid["steps"], "trainer.eval_every": 20,
                               "trainer.checkpoint_every": 20},
                       description="presets across staleness: lag mode, held-out accuracy of the learner")
-  render(results, grid)
+  render(results)
 
 
 if __name__ == "__main__":
