@@ -49,21 +49,21 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--full", action="store_true")
   parser.add_argument("--render", action="store_true", help="only render results.json")
-  parser.add_argument("--presets", nargs="+", help="extend the default grid with these presets")
-  parser.add_argument("--lags", type=int, nargs="+", help="... at these lags")
+  parser.add_argument("--presets", nargs="+", help="extend the grid with these presets ...")
+  parser.add_argument("--lags", type=int, nargs="+", help="... at these lags (default: the grid's)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_presets_across_staleness"))
   args = parser.parse_args()
-  grid = dict(FULL if args.full else DEFAULT)
-  if args.presets or args.lags:       # an extension of the same study: same seeds and updates
-    grid["presets"] = tuple(dict.fromkeys((*grid["presets"], *(args.presets or ()))))
-    grid["lags"] = tuple(dict.fromkeys((*grid["lags"], *(args.lags or ()))))
+  grid = FULL if args.full else DEFAULT
+  grid_cells = cells(grid["presets"], grid["lags"])
+  if args.presets:                    # an extension of the same study: same seeds and updates
+    grid_cells += [c for c in cells(args.presets, args.lags or grid["lags"]) if c not in grid_cells]
   out = os.path.join(HERE, "results_full.json" if args.full else "results.json")
   if args.render:
     import json
     with open(out) as f:
       render(json.load(f))
     return
-  results = study.run(cells(grid["presets"], grid["lags"]), list(grid["seeds"]), config="configs/default.py",
+  results = study.run(grid_cells, list(grid["seeds"]), config="configs/default.py",
                       root=args.root, out=out,
                       common={"trainer.steps": grid["steps"], "trainer.eval_every": 20,
                               "trainer.checkpoint_every": 20},
