@@ -97,7 +97,7 @@ def shared_warm_start(config: str, common: dict, seed: int, root: str) -> str | 
 def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: str | None) -> None:
   command = [sys.executable, "-m", "copc_jax.main", f"--config={_config_path_and_arg(config, overrides)}",
              f"--workdir={workdir}", f"--config.seed={seed}", "--config.trainer.progress_bar=False",
-             *_flags({k: v for k, v in overrides.items()})]
+             *_flags(overrides)]
   if warm_model is not None:   # the shared warm start replaces this run's own
     command += [f"--config.model.checkpoint={warm_model}", "--config.warm_start.steps=0"]
   os.makedirs(workdir, exist_ok=True)
