@@ -21,16 +21,17 @@ def load(study):
   return module
 
 
-@pytest.mark.parametrize("study", STUDIES)
-def test_the_readme_tables_are_rendered_from_the_json(study, tmp_path):
+@pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
+                         + [("presets_across_staleness", "results_full")])
+def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)
-  if not os.path.exists(os.path.join(directory, "results.json")):
-    pytest.skip(f"{study} has no committed results yet")
+  if not os.path.exists(os.path.join(directory, f"{name}.json")):
+    pytest.skip(f"{study} has no committed {name}.json yet")
   shutil.copy(os.path.join(directory, "README.md"), tmp_path / "README.md")
-  with open(os.path.join(directory, "results.json")) as f:
+  with open(os.path.join(directory, f"{name}.json")) as f:
     results = json.load(f)
   module = load(study)
-  module.render(results, here=str(tmp_path))
+  module.render(results, here=str(tmp_path), **({"name": name} if name != "results" else {}))
   with open(os.path.join(directory, "README.md")) as f:
     assert (tmp_path / "README.md").read_text() == f.read()
   assert list(tmp_path.glob("*.png"))

@@ -2,6 +2,7 @@
 
   python experiments/presets_across_staleness/run.py            # default grid, about an hour here
   python experiments/presets_across_staleness/run.py --full     # 6 presets × k ∈ {4, 16, 64}, 3 seeds
+  python experiments/presets_across_staleness/run.py --full --cells sync_ppo_k0 copc_k64   # part of it
   python experiments/presets_across_staleness/run.py --render   # tables and figures from results.json
 
 Resumable: finished cells are read, not rerun (workdirs under --root). The grid, the seeds and
@@ -32,17 +33,19 @@ def cells(presets, lags) -> list[study.Cell]:
   return grid
 
 
-def render(results: dict, here: str = HERE) -> None:
+def render(results: dict, here: str = HERE, name: str = "results") -> None:
+  """Table and curves into README.md between the `name` markers (`results` or `results_full`)."""
   cells = results["cells"].values()
   lags = sorted({c["overrides"]["trainer.lag"] for c in cells if "trainer.lag" in c["overrides"]})
   groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [
-      name for name, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag] for lag in lags}
-  study.curves_figure(results, os.path.join(here, "curves.png"), groups)
+      cell for cell, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag] for lag in lags}
+  figure = "curves.png" if name == "results" else f"curves_{name.removeprefix('results_')}.png"
+  study.curves_figure(results, os.path.join(here, figure), groups)
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.\n\n"
-          + study.table(results, reference="sync_ppo_k0") + "\n\n![held-out accuracy curves](curves.png)")
-  study.write_between_markers(os.path.join(here, "README.md"), "results", text)
+          + study.table(results, reference="sync_ppo_k0") + f"\n\n![held-out accuracy curves]({figure})")
+  study.write_between_markers(os.path.join(here, "README.md"), name, text)
 
 
 def main():
@@ -51,24 +54,31 @@ def main():
   parser.add_argument("--render", action="store_true", help="only render results.json")
   parser.add_argument("--presets", nargs="+", help="extend the grid with these presets ...")
   parser.add_argument("--lags", type=int, nargs="+", help="... at these lags (default: the grid's)")
+  parser.add_argument("--cells", nargs="+", help="run only these cells of the grid (e.g. copc_k64)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_presets_across_staleness"))
   args = parser.parse_args()
   grid = FULL if args.full else DEFAULT
   grid_cells = cells(grid["presets"], grid["lags"])
   if args.presets:                    # an extension of the same study: same seeds and updates
     grid_cells += [c for c in cells(args.presets, args.lags or grid["lags"]) if c not in grid_cells]
-  out = os.path.join(HERE, "results_full.json" if args.full else "results.json")
+  if args.cells:
+    unknown = set(args.cells) - {c.name for c in grid_cells}
+    if unknown:
+      parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid_cells]}")
+    grid_cells = [c for c in grid_cells if c.name in args.cells]
+  name = "results_full" if args.full else "results"
+  out = os.path.join(HERE, f"{name}.json")
   if args.render:
     import json
     with open(out) as f:
-      render(json.load(f))
+      render(json.load(f), name=name)
     return
   results = study.run(grid_cells, list(grid["seeds"]), config="configs/default.py",
                       root=args.root, out=out,
                       common={"trainer.steps": grid["steps"], "trainer.eval_every": 20,
                               "trainer.checkpoint_every": 20},
                       description="presets across staleness: lag mode, held-out accuracy of the learner")
-  render(results)
+  render(results, name=name)
 
 
 if __name__ == "__main__":
