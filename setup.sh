@@ -5,6 +5,16 @@
 # TensorFlow, which copc_jax never uses (see README).
 set -euo pipefail
 cd "$(dirname "$0")"
+# The code sandbox (copc_jax/envs/sandbox.py) runs model-written code in bubblewrap with a seccomp
+# filter from libseccomp; without them it refuses to run code.
+if ! command -v bwrap >/dev/null || ! ldconfig -p 2>/dev/null | grep -q libseccomp.so.2; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    packages="bubblewrap libseccomp2"
+    apt-get install -y -qq $packages >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq $packages >/dev/null; }
+  else
+    echo "setup: the code sandbox needs bubblewrap and libseccomp (e.g. sudo apt-get install bubblewrap libseccomp2)" >&2
+  fi
+fi
 PYTHON="${PYTHON:-python3}"
 VENV="${COPC_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
