@@ -160,6 +160,10 @@ class IdTokenizer(tokenizer_api.Tokenizer):
                                   max_prefill_length=kwargs.get("max_prefill_length"),
                                   jax_padding=kwargs.get("jax_padding", True))
 
+  def token_count(self, text: str) -> int:
+    """Tokens of `text` without BOS (0 without a tokenizer)."""
+    return len(self._hf(text)["input_ids"]) if self._hf is not None else 0
+
   def decode(self, token_ids, **kwargs):
     return self._hf.decode(list(token_ids)) if self._hf is not None else ""
 

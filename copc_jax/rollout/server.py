@@ -29,7 +29,7 @@ import numpy as np
 from safetensors.flax import load as load_safetensors_bytes
 
 from copc_jax.models import hf_io
-from copc_jax.rollout import jetstream_compat
+from copc_jax.rollout import jetstream_compat, requests
 from copc_jax.rollout.engine import CopcEngine, SamplingOptions
 from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE
 from copc_jax.sampling import SamplingParams
@@ -38,12 +38,7 @@ _, orchestrator, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install
 from jetstream.core.utils import async_multifuture  # noqa: E402
 
 _to_json = lambda obj: json.dumps(obj).encode()
-_from_json = lambda data: json.loads(data.decode() or "{}")
 _raw = lambda data: data
-
-
-class RequestError(ValueError):
-  """A request that must be refused with INVALID_ARGUMENT."""
 
 
 class RLActiveRequest(orchestrator.ActiveRequest):
@@ -66,42 +61,42 @@ class CopcDriver(orchestrator.Driver):
     return super()._process_prefill_content(request, tokenizer, is_bos, max_prefill_length)
 
 
-def validate_generation(engine: CopcEngine, token_ids, max_tokens, *, bos_added: bool = False) -> None:
-  if not isinstance(token_ids, list | tuple | np.ndarray) or len(token_ids) == 0:
-    raise RequestError("token_ids must be a non-empty list of token ids")
-  if not all(isinstance(t, int | np.integer) for t in token_ids):
-    raise RequestError("token_ids must be integers")
-  vocab = engine.config.vocab_size
-  bad = [int(t) for t in token_ids if not 0 <= int(t) < vocab]
-  if bad:
-    raise RequestError(f"unknown token ids {bad[:5]}: the vocabulary has ids 0..{vocab - 1}")
-  length = len(token_ids) + int(bos_added)
-  if length > engine.max_prefill_length:
-    raise RequestError(f"prompt of {length} tokens is longer than the prefill bucket "
-                       f"({engine.max_prefill_length})")
-  if not isinstance(max_tokens, int) or max_tokens <= 0:
-    raise RequestError(f"max_tokens must be a positive integer; got {max_tokens!r}")
-  if length + max_tokens > engine.max_length:
-    raise RequestError(f"prompt ({length}) + max_tokens ({max_tokens}) exceeds the server's "
-                       f"max_length ({engine.max_length})")
+def limits_of(engine: CopcEngine) -> requests.Limits:
+  return requests.Limits(vocab_size=engine.config.vocab_size, max_prefill_length=engine.max_prefill_length,
+                         max_length=engine.max_length)
 
 
 class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
-  """The stock service, refusing requests that would crash JetStream's threads."""
+  """The stock service, refusing requests that would crash JetStream's threads. Text prompts are
+  tokenized as the driver will (BOS added unless a session cache is given) and checked the same."""
 
   def __init__(self, driver, engine: CopcEngine):
     super().__init__(driver)
     self._engine = engine
+    self._tokenizer = engine.build_tokenizer(None)
+
+  def _check(self, request) -> None:
+    limits, bos = limits_of(self._engine), int(not request.session_cache)
+    if request.WhichOneof("content") == "token_content":
+      prompt = requests.token_ids(list(request.token_content.token_ids), "token_content.token_ids",
+                                  limits.vocab_size)
+      length = len(prompt) + bos
+    elif request.WhichOneof("content") == "text_content":
+      text = request.text_content.text
+      if not text:
+        raise requests.RequestError("text_content.text must be a non-empty string")
+      length = self._tokenizer.token_count(text) + bos
+      if length == bos:
+        raise requests.RequestError("text_content.text tokenizes to no tokens (the server has no tokenizer)")
+    else:
+      raise requests.RequestError("Decode: the request has neither token_content nor text_content")
+    requests.generation_length(limits, length, request.max_tokens)
 
   async def Decode(self, request, context=None):  # noqa: N802 - gRPC method name
     try:
-      if request.WhichOneof("content") == "token_content":
-        validate_generation(self._engine, list(request.token_content.token_ids), request.max_tokens,
-                            bos_added=not request.session_cache)
-      elif request.max_tokens <= 0:
-        raise RequestError(f"max_tokens must be a positive integer; got {request.max_tokens}")
-    except RequestError as err:
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+      self._check(request)
+    except requests.RequestError as err:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Decode: {err}")
     async for response in super().Decode(request, context):
       yield response
 
@@ -113,17 +108,15 @@ class RolloutService:
     self._driver, self._engine = driver, engine
     self._update_lock = asyncio.Lock()
 
-  async def generate(self, request: dict, context):
+  async def generate(self, request, context):
     try:
-      token_ids = request.get("token_ids")
-      max_tokens = request.get("max_tokens")
-      validate_generation(self._engine, token_ids, max_tokens)
-      stops = tuple(tuple(int(t) for t in seq) for seq in request.get("stop_sequences", ()))
-      params = SamplingParams(temperature=float(request.get("temperature", 1.0)),
-                              top_p=float(request.get("top_p", 1.0)), top_k=int(request.get("top_k", 0)))
-      sampling = SamplingOptions(params=params, stop_sequences=stops, seed=request.get("seed"))
-    except (RequestError, ValueError, TypeError) as err:
+      parsed = requests.generate_request(request, limits_of(self._engine))
+    except requests.RequestError as err:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    token_ids, max_tokens = parsed.token_ids, parsed.max_tokens
+    sampling = SamplingOptions(
+        params=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k),
+        stop_sequences=parsed.stop_sequences, seed=parsed.seed)
     active = RLActiveRequest(
         max_tokens=max_tokens, return_channel=async_multifuture.AsyncMultifuture(),
         prefill_content=np.asarray(token_ids, np.int32), is_client_side_tokenization=True,
@@ -138,18 +131,18 @@ class RolloutService:
     except Exception as err:  # noqa: BLE001 - a valid request that the server failed to serve
       await context.abort(grpc.StatusCode.INTERNAL, f"Generate: the server failed: {type(err).__name__}: {err}")
 
-  async def update_weights(self, request: dict, context):
+  async def update_weights(self, request, context):
     try:
-      version, path = int(request["version"]), request["path"]
+      path, version = requests.update_weights_request(request)
       tensors = await asyncio.to_thread(hf_io.read_safetensors, path)
-    except (KeyError, ValueError, TypeError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - the path and the files in it are the client's
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeights: {err}")
     return await self._swap(tensors, version, context, "UpdateWeights")
 
   async def update_weights_bytes(self, request_iterator, context):
     try:
       metadata = dict(context.invocation_metadata())
-      version = int(metadata["copc-version"])
+      version = requests.integer(int(metadata["copc-version"]), "copc-version", 0, 2**62)
       payload = b"".join([chunk async for chunk in request_iterator])
       tensors = await asyncio.to_thread(load_safetensors_bytes, payload)
     except Exception as err:  # noqa: BLE001 - the metadata and bytes are the client's
@@ -172,7 +165,7 @@ class RolloutService:
       await context.abort(grpc.StatusCode.INTERNAL, f"{method}: the server failed: {type(err).__name__}: {err}")
     return {"version": self._engine.store.version}
 
-  async def status(self, request: dict, context):
+  async def status(self, request, context):
     driver, engine = self._driver, self._engine
     free = sum(q.qsize() for q in driver._generate_slots)
     return {"version": engine.store.version, "max_concurrent_decodes": engine.max_concurrent_decodes,
@@ -184,13 +177,13 @@ class RolloutService:
   def handler(self) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            self.generate, request_deserializer=_from_json, response_serializer=_to_json),
+            self.generate, request_deserializer=requests.parse_json, response_serializer=_to_json),
         "UpdateWeights": grpc.unary_unary_rpc_method_handler(
-            self.update_weights, request_deserializer=_from_json, response_serializer=_to_json),
+            self.update_weights, request_deserializer=requests.parse_json, response_serializer=_to_json),
         "UpdateWeightsBytes": grpc.stream_unary_rpc_method_handler(
             self.update_weights_bytes, request_deserializer=_raw, response_serializer=_to_json),
         "Status": grpc.unary_unary_rpc_method_handler(
-            self.status, request_deserializer=_from_json, response_serializer=_to_json),
+            self.status, request_deserializer=requests.parse_json, response_serializer=_to_json),
     })
 
 

@@ -67,19 +67,23 @@ def test_stop_token_is_returned_with_its_logprob(server, checkpoint):
   pytest.skip("no sampled generation reached EOS")
 
 
-def test_malformed_requests_get_errors_and_the_server_keeps_serving(server):
+def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, tmp_path):
   process, client = server
   vocab = len(tiny.make_tokenizer())
   bad = [
       (dict(token_ids=[], max_tokens=4), "non-empty"),
       (dict(token_ids=[1] * 33, max_tokens=4), "longer than the prefill bucket"),
       (dict(token_ids=[1, vocab + 5], max_tokens=4), "unknown token ids"),
-      (dict(token_ids=[1, 2], max_tokens=0), "max_tokens must be a positive integer"),
-      (dict(token_ids=[1, 2], max_tokens=95), "exceeds the server's max_length"),
-      (dict(token_ids=[1, 2], max_tokens=4, temperature=0.0), "temperature must be > 0"),
-      (dict(token_ids=[1, 2], max_tokens=4, top_p=1.5), "top_p must be in"),
-      (dict(token_ids=[1, 2], max_tokens=4, top_k=-1), "top_k must be >= 0"),
-      (dict(token_ids=[1, 2], max_tokens=4, seed=2**32), "seed must be an integer in [0, 2**32)"),
+      (dict(token_ids=[1, 2], max_tokens=0), "max_tokens must be an integer in [1, 94]"),
+      (dict(token_ids=[1, 2], max_tokens=95), "max_tokens must be an integer in [1, 94]"),
+      (dict(token_ids=[1, 2], max_tokens=4, temperature=0.0), "temperature must be a finite number in [0.001"),
+      (dict(token_ids=[1, 2], max_tokens=4, temperature=1e-30), "temperature must be a finite number"),
+      (dict(token_ids=[1, 2], max_tokens=4, top_p=1.5), "top_p must be a finite number in (0, 1]"),
+      (dict(token_ids=[1, 2], max_tokens=4, top_k=-1), f"top_k must be an integer in [0, {vocab}]"),
+      (dict(token_ids=[1, 2], max_tokens=4, top_k=2**40), "top_k must be an integer"),
+      (dict(token_ids=[1, 2], max_tokens=True), "max_tokens must be an integer"),
+      (dict(token_ids=[1, 2], max_tokens=4, seed=2**32), "seed must be an integer in [0, 4294967295]"),
+      (dict(token_ids=[1, 2], max_tokens=4, stop_sequences=[[]]), "stop_sequences[0] must be a non-empty"),
   ]
   for kwargs, message in bad:
     with pytest.raises(grpc.RpcError) as err:
@@ -90,11 +94,50 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server):
     client.update_weights("/nonexistent/dir", version=99)
   with pytest.raises(grpc.RpcError, match="UpdateWeightsBytes"):
     client.update_weights_bytes(b"not safetensors", version=99)
+  garbage = tmp_path / "garbage"
+  garbage.mkdir()
+  (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
+  for path in (str(garbage), str(tmp_path / "empty_dir")):
+    (tmp_path / "empty_dir").mkdir(exist_ok=True)
+    with pytest.raises(grpc.RpcError) as err:
+      client.update_weights(path, version=99)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
   with pytest.raises(grpc.RpcError, match="checkpoint lacks 25 tensor"):
     client.update_weights_bytes(save_safetensors_bytes({"model.norm.weight": np.ones(3, np.float32)}),
                                 version=99)
   assert process.alive()
   assert len(client.generate([1, 2, 3], max_tokens=5).token_ids) > 0
+
+
+def test_raw_bodies_that_are_not_json_objects_are_invalid_arguments(server):
+  from copc_jax.rollout.protocol import SERVICE
+
+  process, client = server
+  with grpc.insecure_channel(process.address) as channel:
+    generate = channel.unary_stream(f"/{SERVICE}/Generate", lambda b: b, lambda b: b)
+    update = channel.unary_unary(f"/{SERVICE}/UpdateWeights", lambda b: b, lambda b: b)
+    bodies = [(b"[1, 2, 3]", "must be a JSON object; got list"), (b"7", "got int"),
+              (b"\xff\xfe{", "not UTF-8"), (b"{not json", "not JSON"),
+              (b'{"token_ids": [1, 2], "max_tokens": 4, "temperature": NaN}', "not a JSON number"),
+              (b'{"token_ids": [1, 2], "max_token": 4}', "unknown field(s) ['max_token']"),
+              (b'{"token_ids": [1, true], "max_tokens": 4}', "token_ids must be integers; got True"),
+              (b'{"token_ids": [1, 2], "max_tokens": 4, "top_k": true}', "top_k must be an integer"),
+              (b"[" * 100_000, "not JSON")]
+    for body, message in bodies:
+      for call in (lambda: list(generate(body, timeout=30)), lambda: update(body, timeout=30)):
+        with pytest.raises(grpc.RpcError) as err:
+          call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (body[:20], err.value.details())
+        assert message in err.value.details() or "UpdateWeights" in err.value.details()
+  assert process.alive()
+  assert len(client.generate([1, 2, 3], max_tokens=5, top_k=1).token_ids) > 0
+
+
+def test_extreme_but_allowed_sampling_settings_give_finite_logprobs(server):
+  _, client = server
+  for options in (dict(temperature=1e-3), dict(temperature=1e3), dict(top_k=1), dict(top_p=1e-9)):
+    out = client.generate([1, 20, 21], max_tokens=8, **options)
+    assert np.all(np.isfinite(out.logprobs)) and len(out.token_ids) > 0, options
 
 
 def test_stock_jetstream_decode_client_gets_tokens(server):
@@ -115,6 +158,14 @@ def test_stock_jetstream_decode_client_gets_tokens(server):
         max_tokens=4, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[999999]))
     with pytest.raises(grpc.RpcError, match="unknown token ids"):
       list(stub.Decode(bad))
+    long_text = jetstream_pb2.DecodeRequest(   # tokenizes to more than the prefill bucket (32)
+        max_tokens=4, text_content=jetstream_pb2.DecodeRequest.TextContent(text="1+2=" * 20))
+    too_many = jetstream_pb2.DecodeRequest(
+        max_tokens=1000, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[20, 21, 22]))
+    for request, message in ((long_text, "longer than the prefill bucket"), (too_many, "max_tokens must be")):
+      with pytest.raises(grpc.RpcError) as err:
+        list(stub.Decode(request))
+      assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
   assert process.alive()
 
 
