@@ -11,6 +11,17 @@ from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE, Generation
 CHUNK_BYTES = 4 << 20
 
 
+def collect(messages) -> Generation:
+  """One generation from a stream of per-step messages."""
+  result = Generation([], [], [], None)
+  for step in messages:
+    result.token_ids += step["token_ids"]
+    result.logprobs += step["logprobs"]
+    result.versions += step["versions"]
+    result.finish_reason = step["finish_reason"] or result.finish_reason
+  return result
+
+
 class RolloutClient:
   def __init__(self, address: str, timeout_s: float = 300.0):
     self.address = address
@@ -24,9 +35,10 @@ class RolloutClient:
     self._update_bytes = self._channel.stream_unary(f"/{SERVICE}/UpdateWeightsBytes", lambda b: b, decode)
     self._status = self._channel.unary_unary(f"/{SERVICE}/Status", encode, decode)
 
-  def stream(self, token_ids, max_tokens: int, *, temperature=1.0, top_p=1.0, top_k=0,
-             stop_sequences=(), seed: int | None = None):
-    """Yield the server's per-step messages {token_ids, logprobs, versions, finish_reason}.
+  def start(self, token_ids, max_tokens: int, *, temperature=1.0, top_p=1.0, top_k=0, stop_sequences=(),
+            seed: int | None = None):
+    """Start a generation: the gRPC call, an iterator of the server's per-step messages
+    {token_ids, logprobs, versions, finish_reason} that another thread may `cancel()`.
 
     With a `seed`, the tokens depend only on the request and the weights (not on
     the server, its slot or other requests).
@@ -36,16 +48,14 @@ class RolloutClient:
                "stop_sequences": [[int(t) for t in s] for s in stop_sequences]}
     if seed is not None:
       request["seed"] = int(seed)
-    yield from self._generate(request, timeout=self.timeout_s)
+    return self._generate(request, timeout=self.timeout_s)
+
+  def stream(self, token_ids, max_tokens: int, **sampling):
+    """Yield the server's per-step messages (see `start`)."""
+    yield from self.start(token_ids, max_tokens, **sampling)
 
   def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:
-    result = Generation([], [], [], None)
-    for step in self.stream(token_ids, max_tokens, **sampling):
-      result.token_ids += step["token_ids"]
-      result.logprobs += step["logprobs"]
-      result.versions += step["versions"]
-      result.finish_reason = step["finish_reason"] or result.finish_reason
-    return result
+    return collect(self.stream(token_ids, max_tokens, **sampling))
 
   def update_weights(self, path: str, version: int) -> int:
     return self._update({"path": path, "version": version}, timeout=self.timeout_s)["version"]

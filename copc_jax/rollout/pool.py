@@ -7,8 +7,11 @@
 Each server takes at most `max_in_flight` requests at a time (JetStream's own
 prefill queue is unbounded). A request whose server dies is resubmitted from the
 start on a healthy server after the dead one is restarted (local servers only),
-so every request returns exactly one complete generation. Servers given by
-`addresses` (e.g. on TPU VMs) are used as they are and never restarted.
+so every request returns exactly one complete generation. A server that stops answering
+(paused, wedged) is found by the `HangDetector` within `stall_timeout_s + probe_timeout_s`:
+its requests are cancelled and resubmitted elsewhere, and it takes no requests until it answers
+again (then it first gets the latest weights). Servers given by `addresses` (e.g. on TPU VMs)
+are used as they are and never restarted.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from copc_jax.rollout.client import RolloutClient
+from copc_jax.rollout.client import RolloutClient, collect
+from copc_jax.rollout.health import HangDetector
 from copc_jax.rollout.process import ServerProcess
 from copc_jax.rollout.protocol import Generation
 
@@ -39,14 +43,17 @@ class _Server:
     self.client = RolloutClient(address) if address else None
     self.in_flight = 0
     self.healthy = address is not None
+    self.hung = False
     self.restarts = 0
+    self.hangs = 0
     self.lock = threading.Lock()
 
 
 class RolloutPool:
   def __init__(self, checkpoint: str | None = None, *, num_servers: int = 2,
                addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 5,
-               ready_timeout_s: float = 120.0, log_dir: str | None = None, **server_kwargs):
+               ready_timeout_s: float = 120.0, log_dir: str | None = None, stall_timeout_s: float = 10.0,
+               probe_timeout_s: float = 5.0, **server_kwargs):
     if (checkpoint is None) == (addresses is None):
       raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
     self._checkpoint, self._server_kwargs, self._log_dir = checkpoint, server_kwargs, log_dir
@@ -68,6 +75,8 @@ class RolloutPool:
         for process in processes:
           process.stop()
         raise
+    self._detector = HangDetector(self._on_hung, stall_timeout_s=stall_timeout_s,
+                                  probe_timeout_s=probe_timeout_s)
     atexit.register(self.close)
 
   def _log_path(self, index: int) -> str | None:
@@ -121,6 +130,33 @@ class RolloutPool:
     with self._cond:
       self._cond.notify_all()
 
+  def _on_hung(self, server: _Server) -> None:
+    """Out of routing until it answers Status again (checked in a thread of its own)."""
+    with self._cond:
+      if server.hung:
+        return
+      server.hung, server.healthy = True, False
+      server.hangs += 1
+    threading.Thread(target=self._await_recovery, args=(server,), daemon=True).start()
+
+  def _await_recovery(self, server: _Server) -> None:
+    while not self._closed:
+      if server.process is not None and not server.process.alive():
+        server.hung = False
+        self._handle_failure(server)        # it died while hung: a restart, as for any dead server
+        return
+      if self._detector.responds(server):
+        try:
+          if self._latest_weights is not None:
+            server.client.update_weights(*self._latest_weights)
+        except grpc.RpcError:
+          continue
+        with self._cond:
+          server.hung, server.healthy = False, True
+          self._cond.notify_all()
+        return
+      time.sleep(self._detector.interval_s)
+
   # --- public API -------------------------------------------------------------
 
   def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:
@@ -130,7 +166,8 @@ class RolloutPool:
         time.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))   # a busy or restarting server gets a moment
       server = self._acquire()
       try:
-        return server.client.generate(token_ids, max_tokens, **sampling)
+        with self._detector.watch(server, server.client.start(token_ids, max_tokens, **sampling)) as messages:
+          return collect(messages)
       except grpc.RpcError as err:
         if err.code() not in RETRYABLE:
           raise
@@ -153,6 +190,9 @@ class RolloutPool:
     def push(server: _Server) -> None:
       if not server.healthy:
         return
+      if not self._detector.responds(server):
+        self._on_hung(server)       # it gets these weights when it answers again
+        return
       try:
         server.client.update_weights(path, version)
       except grpc.RpcError as err:
@@ -166,8 +206,9 @@ class RolloutPool:
       raise PoolExhausted(f"no rollout server took weights version {version}: every one is unreachable")
 
   def status(self) -> list[dict]:
-    return [dict(address=s.address, healthy=s.healthy, in_flight=s.in_flight, restarts=s.restarts,
-                 **(s.client.status() if s.healthy else {})) for s in self.servers]
+    return [dict(address=s.address, healthy=s.healthy, hung=s.hung, in_flight=s.in_flight,
+                 restarts=s.restarts, hangs=s.hangs, **(s.client.status() if s.healthy else {}))
+            for s in self.servers]
 
   def close(self) -> None:
     with self._cond:
@@ -175,6 +216,7 @@ class RolloutPool:
         return
       self._closed = True
       self._cond.notify_all()
+    self._detector.close()
     for server in self.servers:
       if server.client is not None:
         server.client.close()

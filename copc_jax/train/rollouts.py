@@ -40,6 +40,8 @@ class RolloutConfig:
   top_k: int = 0
   workers: int = 0                      # concurrent episodes; 0: max_in_flight × servers
   ready_timeout_s: float = 300.0
+  stall_timeout_s: float = 10.0         # a generation silent this long makes the pool probe its server
+  probe_timeout_s: float = 5.0          # ... which is hung if Status gets no answer within this
 
   def __post_init__(self):
     if not self.addresses and self.num_servers < 1:
@@ -51,8 +53,9 @@ class RolloutConfig:
       raise ValueError(f"max_length ({self.max_length}) must exceed max_prefill_length "
                        f"({self.max_prefill_length})")
     _ = self.sampling   # validates temperature, top_p, top_k
-    if self.ready_timeout_s <= 0:
-      raise ValueError(f"ready_timeout_s must be > 0; got {self.ready_timeout_s}")
+    for name in ("ready_timeout_s", "stall_timeout_s", "probe_timeout_s"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
 
   @property
   def sampling(self) -> SamplingParams:

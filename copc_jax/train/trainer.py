@@ -238,13 +238,14 @@ class Trainer:
     count = len(addresses) or (1 if evaluation else c.num_servers)
     _say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
     try:
+      health = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s)
       if addresses:
-        return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight)
+        return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **health)
       # Servers start on the base weights as version -1; every version the learner
       # owns is pushed before anything is generated with it.
       return RolloutPool(self.base_checkpoint, num_servers=count, max_in_flight=c.max_in_flight,
                          slots=c.slots, max_prefill_length=c.max_prefill_length, max_length=c.max_length,
-                         ready_timeout_s=c.ready_timeout_s,
+                         ready_timeout_s=c.ready_timeout_s, **health,
                          log_dir=os.path.join(self.workdir, "logs", "eval" if evaluation else ""),
                          version=-1)
     except (TimeoutError, RuntimeError) as err:

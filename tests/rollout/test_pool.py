@@ -94,3 +94,32 @@ def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
       return True
 
   assert wait_until(lambda: all(gone(pid) for pid in pids), timeout_s=20)
+
+
+def test_a_paused_server_is_found_its_requests_finish_elsewhere_and_it_comes_back(checkpoint, tmp_path):
+  """SIGSTOP one of two servers with requests on it: the pool notices (Status gets no answer), cancels
+  and resubmits them on the other server, and routes to the paused one again after SIGCONT."""
+  from flax import nnx
+
+  from copc_jax.models import hf_io
+  from copc_jax.models.decoder import Decoder
+
+  requests = [dict(token_ids=[1, 3 + i, 4 + i], max_tokens=24, temperature=0.8, seed=100 + i) for i in range(8)]
+  with RolloutPool(checkpoint, num_servers=2, max_in_flight=4, slots=4, max_prefill_length=16, max_length=96,
+                   stall_timeout_s=2.0, probe_timeout_s=2.0) as pool:
+    expected = pool.generate_many(requests)      # seeded: the same tokens on any server
+    paused = pool.servers[0]
+    os.kill(paused.process.process.pid, signal.SIGSTOP)
+    try:
+      results = pool.generate_many(requests)
+      assert paused.hangs == 1 and paused.hung and not paused.healthy
+      model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+      hf_io.save_pretrained(Decoder(model.config, rngs=nnx.Rngs(5)), str(tmp_path / "v2"))
+      pool.update_weights(str(tmp_path / "v2"), version=2)      # the paused server is skipped, not waited for
+    finally:
+      os.kill(paused.process.process.pid, signal.SIGCONT)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    for result, reference in zip(results, expected):
+      assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+    assert wait_until(lambda: paused.healthy, timeout_s=120)
+    assert paused.restarts == 0 and paused.client.status()["version"] == 2   # back, with the latest weights

@@ -124,9 +124,9 @@ def test_raw_bodies_that_are_not_json_objects_are_invalid_arguments(server):
               (b'{"token_ids": [1, 2], "max_tokens": 4, "top_k": true}', "top_k must be an integer"),
               (b"[" * 100_000, "not JSON")]
     for body, message in bodies:
-      for call in (lambda: list(generate(body, timeout=30)), lambda: update(body, timeout=30)):
+      for call in (lambda b: list(generate(b, timeout=30)), lambda b: update(b, timeout=30)):
         with pytest.raises(grpc.RpcError) as err:
-          call()
+          call(body)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (body[:20], err.value.details())
         assert message in err.value.details() or "UpdateWeights" in err.value.details()
   assert process.alive()

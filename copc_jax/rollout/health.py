@@ -1,0 +1,85 @@
+"""Finding rollout servers that stopped answering (a paused or wedged process), within seconds.
+
+A generation streams one message per decode step, so a call that has received nothing for
+`stall_timeout_s` is suspicious, but it may only be slow (a first compilation, a long queue). The
+detector then asks that server for its Status with a deadline of `probe_timeout_s`: a server whose
+event loop still answers is slow and its calls keep waiting; one that does not is hung. The
+detector cancels the hung server's calls (the pool resubmits them elsewhere, from the start) and
+tells the pool, which takes the server out of routing until it answers Status again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+
+import grpc
+
+
+@dataclasses.dataclass(eq=False)
+class _Watched:
+  server: object
+  call: object
+  last_message: float
+
+
+class HangDetector:
+  def __init__(self, on_hung, *, stall_timeout_s: float = 10.0, probe_timeout_s: float = 5.0,
+               interval_s: float = 0.25):
+    if stall_timeout_s <= 0 or probe_timeout_s <= 0:
+      raise ValueError(f"stall_timeout_s and probe_timeout_s must be > 0; got {stall_timeout_s}, "
+                       f"{probe_timeout_s}")
+    self.on_hung, self.stall_timeout_s, self.probe_timeout_s = on_hung, stall_timeout_s, probe_timeout_s
+    self.interval_s = interval_s
+    self._calls: set[_Watched] = set()
+    self._lock = threading.Lock()
+    self._stopped = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="hang-detector", daemon=True)
+    self._thread.start()
+
+  @contextlib.contextmanager
+  def watch(self, server, call):
+    """Watch `call` (a streaming gRPC call to `server`); yields its messages as an iterator."""
+    watched = _Watched(server, call, time.monotonic())
+
+    def messages():
+      for message in call:
+        watched.last_message = time.monotonic()
+        yield message
+
+    with self._lock:
+      self._calls.add(watched)
+    try:
+      yield messages()
+    finally:
+      with self._lock:
+        self._calls.discard(watched)
+
+  def responds(self, server) -> bool:
+    try:
+      server.client.status(timeout_s=self.probe_timeout_s)
+      return True
+    except grpc.RpcError:
+      return False
+
+  def _run(self):
+    while not self._stopped.wait(self.interval_s):
+      now = time.monotonic()
+      with self._lock:
+        stalled = {id(w.server): w.server for w in self._calls if now - w.last_message > self.stall_timeout_s}
+      for server in stalled.values():
+        hung = not self.responds(server)
+        if hung:
+          self.on_hung(server)
+        with self._lock:
+          for watched in [w for w in self._calls if w.server is server]:
+            if hung:
+              watched.call.cancel()
+            else:
+              watched.last_message = time.monotonic()      # slow, not hung: wait another period
+
+  def close(self):
+    self._stopped.set()
+    self._thread.join(timeout=10)
