@@ -1,7 +1,14 @@
-"""Entry point: `python -m copc_jax.main --config=configs/default.py --workdir=DIR`."""
+"""Entry point: `python -m copc_jax.main --config=configs/default.py --workdir=DIR`.
+
+A mistake on the command line (a bad value, an unknown field, a missing config file, a workdir that
+is a file or is in use) is one line on stderr naming the flag or field, the value and what is
+allowed, with exit status 2; `--verbose` shows the traceback instead.
+"""
 
 import dataclasses
+import importlib.util
 import json
+import os
 import platform
 import sys
 
@@ -13,16 +20,76 @@ from ml_collections import config_flags
 
 from copc_jax import config as config_lib
 from copc_jax import synthetic
-from copc_jax.train import trainer
+from copc_jax.train import checkpoint, trainer, workdir
+from copc_jax.train.workdir import WorkdirError
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for outputs (metrics, checkpoints).")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first: one process per host "
                   "of a multi-host slice (on TPU VMs it finds the coordinator itself).")
+flags.DEFINE_bool("fresh_start", False, "Start over: move a previous run's files in --workdir into "
+                  "previous_<time>/ (without it, a run resumes from the workdir's checkpoint).")
+flags.DEFINE_bool("verbose", False, "Show tracebacks of command-line and config mistakes.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 JOBS = {"train": trainer.run, "gradient_check": synthetic.run}
+USAGE_ERROR = 2
+
+
+def _argument(argv: list[str], name: str) -> str | None:
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _config_fields(config_arg: str) -> dict | None:
+  """The config file's own fields (for naming what is allowed), or None if it cannot be read."""
+  try:
+    path, _, arg = config_arg.partition(":")
+    spec = importlib.util.spec_from_file_location("copc_cli_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+  except Exception:  # noqa: BLE001 - only used to explain another error
+    return None
+
+
+def explain_flag_error(err: Exception, argv: list[str]) -> str:
+  """One line for an error raised while absl parsed the flags (config_flags applies overrides there)."""
+  config_arg = _argument(argv, "config")
+  if config_arg is not None and not os.path.exists(config_arg.partition(":")[0]):
+    return f"--config={config_arg}: no such file"
+  fields = _config_fields(config_arg) if config_arg else None
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    dotted, _, value = arg[len("--config."):].partition("=")
+    node, parts = fields, dotted.split(".")
+    for depth, part in enumerate(parts):
+      if node is None or not hasattr(node, "keys"):
+        break
+      if part not in node:
+        where = ".".join(["config", *parts[:depth]])
+        return f"--config.{dotted}: {where} has no field {part!r}; allowed: {sorted(node.keys())}"
+      node = node[part]
+  message = " ".join(str(err).split())
+  if config_arg is not None and (fields is None or isinstance(err, OSError | SyntaxError)):
+    return f"--config={config_arg}: cannot be loaded: {message}"
+  return message if message.startswith("--") else f"flags: {message}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return FLAGS(argv)
+  except Exception as err:  # noqa: BLE001 - every mistake gets one line
+    if "--verbose" in argv:
+      raise
+    print(f"error: {explain_flag_error(err, argv)}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
 
 
 def main(argv):
@@ -30,7 +97,22 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)     # orbax and JetStream log every save and step at INFO
-  config = config_lib.from_config_dict(FLAGS.config)
+  try:
+    try:
+      raw = FLAGS.config
+      raw.keys()                               # loaded lazily: a missing or broken file fails here
+    except OSError as err:
+      raise ValueError(explain_flag_error(err, sys.argv)) from err
+    config = config_lib.from_config_dict(raw)
+    if config.job == "train" and not FLAGS.distributed:
+      workdir.check(FLAGS.workdir, fresh_start=FLAGS.fresh_start)
+    elif os.path.exists(FLAGS.workdir) and not os.path.isdir(FLAGS.workdir):
+      raise WorkdirError(f"--workdir={FLAGS.workdir}: exists and is not a directory")
+  except (ValueError, TypeError, WorkdirError) as err:
+    if FLAGS.verbose:
+      raise
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
   if FLAGS.distributed:
     jax.distributed.initialize()
   if jax.process_index() == 0 or FLAGS["verbosity"].present:
@@ -39,11 +121,21 @@ def main(argv):
           f"devices: {jax.devices()}\nconfig (resolved): {json.dumps(dataclasses.asdict(config), default=str)}",
           file=sys.stderr, flush=True)
   try:
-    JOBS[config.job](config, FLAGS.workdir)
-  except (trainer.TrainingError, FileNotFoundError) as err:
+    if config.job == "train":
+      trainer.run(config, FLAGS.workdir, fresh_start=FLAGS.fresh_start)
+    else:
+      JOBS[config.job](config, FLAGS.workdir)
+  except WorkdirError as err:
+    if FLAGS.verbose:
+      raise
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+  except (trainer.TrainingError, checkpoint.CheckpointError, FileNotFoundError) as err:
+    if FLAGS.verbose:
+      raise
     logging.error("%s", err)
     raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

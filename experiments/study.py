@@ -36,6 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)         # configs/ imports `configs.common`
 
+from copc_jax.train import workdir as workdir_lib  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
@@ -100,6 +102,8 @@ def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: 
              *_flags(overrides)]
   if warm_model is not None:   # the shared warm start replaces this run's own
     command += [f"--config.model.checkpoint={warm_model}", "--config.warm_start.steps=0"]
+  if workdir_lib.previous_history(workdir):     # a cell killed before its first checkpoint: start it over
+    command += ["--fresh_start"]
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "stdout.log"), "a") as log:
     subprocess.run(command, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT,

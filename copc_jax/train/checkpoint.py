@@ -5,7 +5,7 @@ a JSON record of the rest (step, weights version, data-iterator state, buffered
 trajectories, anything else the trainer adds). orbax writes each step into a
 temporary directory and renames it when complete, so a process killed during a
 save leaves the previous checkpoint as the latest; `restore_latest` never sees
-a partial one.
+a partial one, and falls back past checkpoints that were damaged later.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def write_atomically(path: str, write) -> str:
   return path
 
 
+class CheckpointError(RuntimeError):
+  """No checkpoint of the run can be loaded."""
+
+
 class Checkpointer:
   def __init__(self, directory: str, max_to_keep: int = 3):
     self.directory = os.path.abspath(directory)
@@ -46,24 +50,51 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def restore_latest(self, learner_state_like, rng_like):
-    """(step, learner state, rng, record) of the latest complete checkpoint, or None if there is none.
+  def restore_latest(self, learner_state_like, rng_like, log=print):
+    """(step, learner state, rng, record) of the newest checkpoint that loads, or None if there is none.
 
-    `learner_state_like` gives the structure, dtypes and shardings (e.g. a freshly built learner's state).
+    `learner_state_like` gives the structure, dtypes and shardings (e.g. a freshly built learner's
+    state). A checkpoint that does not load (truncated, garbage, empty files) is skipped with one line
+    saying which and why, and moved to `corrupt_<step>/` so that later saves do not collide with it;
+    when none loads, `CheckpointError` says so in one line.
     """
-    step = self._manager.latest_step()
-    if step is None:
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    if not steps:
       return None
+    skipped = []
+    for step in steps:
+      try:
+        restored = self._restore(step, learner_state_like, rng_like)
+      except Exception as err:  # noqa: BLE001 - whatever the files hold, the run goes on from an older one
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        skipped.append(f"step {step} ({type(err).__name__}: {reason})")
+        log(f"checkpoint of step {step} in {self.directory} does not load, skipped: {type(err).__name__}: "
+            f"{reason}")
+        continue
+      for bad in steps[:len(skipped)]:
+        self._set_aside(bad)
+      return restored
+    raise CheckpointError(f"no checkpoint in {self.directory} loads: {'; '.join(skipped)}")
+
+  def _restore(self, step: int, learner_state_like, rng_like):
     abstract = {"learner": jax.tree.map(ocp.utils.to_shape_dtype_struct,
                                         nnx.to_pure_dict(learner_state_like)),
                 "rng": np.zeros_like(np.asarray(jax.random.key_data(rng_like)))}
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
+    if not isinstance(restored["record"], dict):
+      raise ValueError(f"its record is {type(restored['record']).__name__}, not a JSON object")
     learner_state = learner_state_like
     nnx.replace_by_pure_dict(learner_state, restored["state"]["learner"])
     rng = jax.random.wrap_key_data(jax.numpy.asarray(restored["state"]["rng"]),
                                    impl=jax.random.key_impl(rng_like))
     return step, learner_state, rng, dict(restored["record"])
+
+  def _set_aside(self, step: int) -> None:
+    source = os.path.join(self.directory, str(step))
+    if os.path.isdir(source):
+      os.replace(source, os.path.join(self.directory, f"corrupt_{step}"))
+    self._manager.reload()
 
   def close(self) -> None:
     self._manager.close()

@@ -46,6 +46,7 @@ from copc_jax.rollout.agent import to_batch
 from copc_jax.rollout.pool import PoolExhausted, RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend
 from copc_jax.train import checkpoint, multihost, rollouts, warm_start
+from copc_jax.train import workdir as workdir_lib
 from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
 from copc_jax.train.metrics import MetricsLogger, read_metrics
@@ -218,7 +219,7 @@ class Trainer:
 
   def _restore(self) -> None:
     self.step, self.learner.state, self.learner.rng, self.record = self.checkpointer.restore_latest(
-        self.learner.state, self.learner.rng)
+        self.learner.state, self.learner.rng, log=_say)
     saved_processes = len(self.record.get("processes", []))
     if saved_processes != self.processes:
       raise ValueError(f"the checkpoint in {self.checkpointer.directory} was written by {saved_processes} "
@@ -472,22 +473,26 @@ def _write_json(path: str, value) -> None:
     json.dump(value, f)
 
 
-def train_and_evaluate(config, workdir: str, *, backend_factory=None) -> dict:
-  """The `train` job: the warm start (its own step, cached in DIR/warm_start), then RL."""
+def train_and_evaluate(config, workdir: str, *, backend_factory=None, fresh_start: bool = False) -> dict:
+  """The `train` job: the warm start (its own step, cached in DIR/warm_start), then RL.
+
+  The run holds `workdir` (`workdir.claim`): a second run on it, or a fresh start over a previous
+  run's history without `fresh_start`, stops with one line.
+  """
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  task = make_task(config.task, config.seed)
-  actor_checkpoint = None
-  if config.warm_start.steps:
-    actor_checkpoint = warm_start.prepare(task, base_checkpoint(config, workdir),
-                                          os.path.join(workdir, "warm_start"), config.warm_start,
-                                          seed=config.seed, log=_say)
-  return Trainer(config, workdir, actor_checkpoint=actor_checkpoint, task=task,
-                 backend_factory=backend_factory).run()
+  with workdir_lib.claim(workdir, fresh_start=fresh_start, process_index=jax.process_index(), log=_say):
+    task = make_task(config.task, config.seed)
+    actor_checkpoint = None
+    if config.warm_start.steps:
+      actor_checkpoint = warm_start.prepare(task, base_checkpoint(config, workdir),
+                                            os.path.join(workdir, "warm_start"), config.warm_start,
+                                            seed=config.seed, log=_say)
+    return Trainer(config, workdir, actor_checkpoint=actor_checkpoint, task=task,
+                   backend_factory=backend_factory).run()
 
 
-def run(config, workdir: str) -> dict:
+def run(config, workdir: str, *, fresh_start: bool = False) -> dict:
   """The `train` job of `copc_jax.main`."""
-  summary = train_and_evaluate(config, workdir)
+  summary = train_and_evaluate(config, workdir, fresh_start=fresh_start)
   print("\n".join(["", "summary", *(f"  {k:<24}{v}" for k, v in summary.items())]), flush=True)
   return summary

@@ -6,12 +6,13 @@ import textwrap
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from copc_jax.models import tiny
 from copc_jax.models.decoder import Decoder, ValueModel
 from copc_jax.train import Learner, LearnerConfig
-from copc_jax.train.checkpoint import Checkpointer
+from copc_jax.train.checkpoint import Checkpointer, CheckpointError
 from copc_jax.train.fake_data import random_batch
 
 
@@ -76,3 +77,40 @@ def test_sigkill_during_saves_leaves_a_complete_latest_checkpoint(tmp_path):
   learner, _ = make()
   step, _, _, record = Checkpointer(str(tmp_path / "ckpt")).restore_latest(learner.state, learner.rng)
   assert step >= 3 and record == {"version": step}
+
+
+def _damage(step_dir, how):
+  files = sorted(p for p in step_dir.rglob("*") if p.is_file())
+  assert files
+  for path in files:
+    if how == "empty":
+      path.write_bytes(b"")
+    elif how == "garbage" and (path.name.endswith("metadata") or path.suffix == ".json"):
+      path.write_bytes(b"\x00garbage{")
+    elif how == "truncated" and path.stat().st_size > 64:
+      path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
+
+
+@pytest.mark.parametrize("how", ["empty", "garbage", "truncated"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_that_loads(tmp_path, how):
+  learner, batch = make()
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(1, learner.state, learner.rng, {"step": 1})
+  learner.train_step(batch)
+  ckpt.save(2, learner.state, learner.rng, {"step": 2})
+  ckpt.close()
+  _damage(tmp_path / "2", how)
+  said = []
+  fresh, _ = make()
+  ckpt = Checkpointer(str(tmp_path))
+  step, _, _, record = ckpt.restore_latest(fresh.state, fresh.rng, log=said.append)
+  assert step == 1 and record == {"step": 1}
+  assert len(said) == 1 and said[0].startswith("checkpoint of step 2") and "skipped" in said[0]
+  assert (tmp_path / "corrupt_2").is_dir() and ckpt.latest_step() == 1
+  ckpt.save(2, learner.state, learner.rng, {"step": 2})       # the next save of step 2 does not collide
+  ckpt.close()
+  _damage(tmp_path / "1", how)
+  _damage(tmp_path / "2", how)
+  with pytest.raises(CheckpointError) as err:
+    Checkpointer(str(tmp_path)).restore_latest(fresh.state, fresh.rng, log=said.append)
+  assert "\n" not in str(err.value) and "no checkpoint" in str(err.value) and "step 2" in str(err.value)

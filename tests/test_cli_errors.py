@@ -1,0 +1,95 @@
+"""Every command-line mistake is one line naming the flag or field, the value and what is allowed (exit 2)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from copc_jax.train import workdir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "--config=configs/default.py"
+
+CASES = {
+    "negative steps": ([CONFIG, "--config.trainer.steps=-1"], "config.trainer.steps must be >= 1; got -1"),
+    "batch 0": ([CONFIG, "--config.trainer.batch_size=0"], "config.trainer.batch_size must be >= 1; got 0"),
+    "unknown preset": ([CONFIG, "--config.preset=nope"], "config.preset must be one of ["),
+    "unknown mode": ([CONFIG, "--config.trainer.mode=nope"], "config.trainer.mode must be one of"),
+    "inverted clip": ([CONFIG, "--config.estimator.rho_clip=(2.0,0.5)"],
+                      "config.estimator.rho_clip must satisfy 0 <= min <= max; got (2.0, 0.5)"),
+    "unknown field": ([CONFIG, "--config.estimator.mask_low=3"],
+                      "--config.estimator.mask_low: config.estimator has no field 'mask_low'; allowed: ["),
+    "unknown section": ([CONFIG, "--config.nope=1"], "--config.nope: config has no field 'nope'"),
+    "missing config file": (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
+    "nan temperature": ([CONFIG, "--config.rollout.temperature=nan"], "config.rollout.temperature must be"),
+    "not an int": ([CONFIG, "--config.trainer.steps=abc"], "--config.trainer.steps=abc"),
+}
+
+
+def main_command(args, workdir_path):
+  return [sys.executable, "-m", "copc_jax.main", *args, f"--workdir={workdir_path}"]
+
+
+def run_all(commands):
+  """Start every command at once (each mostly waits on imports), then collect them."""
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  processes = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+               for c in commands]
+  return [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in processes]
+
+
+def test_each_mistake_is_one_line_with_exit_status_2(tmp_path):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  busy = tmp_path / "busy"
+  history = tmp_path / "history"
+  history.mkdir()
+  (history / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")
+  cases = {name: (main_command(args, tmp_path / name.replace(" ", "_")), message)
+           for name, (args, message) in CASES.items()}
+  cases["workdir is a file"] = (main_command([CONFIG], a_file),
+                                f"--workdir={a_file}: exists and is not a directory")
+  cases["workdir in use"] = (main_command([CONFIG], busy), f"is in use by another run (PID {os.getpid()})")
+  cases["history without checkpoint"] = (main_command([CONFIG], history), "pass --fresh_start")
+  verbose = CASES["negative steps"][0] + ["--verbose"]
+  cases["verbose shows the traceback"] = (main_command(verbose, tmp_path / "v"), "Traceback")
+  with workdir.claim(str(busy)):                 # this test process holds `busy` as a run would
+    results = dict(zip(cases, run_all([command for command, _ in cases.values()])))
+  for name, (returncode, _, stderr) in results.items():
+    message = cases[name][1]
+    assert message in stderr, (name, stderr[-2000:])
+    if name == "verbose shows the traceback":
+      assert returncode != 0 and len(stderr.splitlines()) > 5
+      continue
+    assert returncode == 2, (name, returncode, stderr[-2000:])
+    assert stderr.strip().count("\n") == 0 and stderr.startswith("error: "), (name, stderr[-2000:])
+  assert (history / "metrics.jsonl").exists()        # refused, not touched
+
+
+def test_claim_locks_refuses_history_and_moves_it_aside_on_a_fresh_start(tmp_path):
+  path = str(tmp_path / "run")
+  said = []
+  with workdir.claim(path):
+    with pytest.raises(workdir.WorkdirError, match=f"PID {os.getpid()}"):
+      with workdir.claim(path):
+        pass
+  with workdir.claim(path):                         # released when the first run ended
+    pass
+  os.makedirs(os.path.join(path, "tb"))
+  open(os.path.join(path, "tb", "events"), "w").close()
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    f.write('{"step": 1}\n')
+  with pytest.raises(workdir.WorkdirError, match=r"previous run's history \(metrics.jsonl, tb/\)"):
+    with workdir.claim(path):
+      pass
+  os.makedirs(os.path.join(path, "checkpoints", "3"))        # a checkpoint: this is a resume, not a restart
+  with workdir.claim(path):
+    pass
+  with workdir.claim(path, fresh_start=True, log=said.append):
+    assert not os.path.exists(os.path.join(path, "metrics.jsonl"))
+  moved = said[0].rsplit(" ", 1)[1]
+  assert sorted(os.listdir(moved)) == ["checkpoints", "metrics.jsonl", "tb"]
+  with open(os.path.join(moved, "metrics.jsonl")) as f:
+    assert f.read() == '{"step": 1}\n'
