@@ -150,6 +150,12 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
                       "mask_fraction_mean", "ess_mean", "staleness_mean", "reward_last_10")}
 
 
+def provenance() -> dict:
+  import jax
+  return {"jax_version": jax.__version__, "python": platform.python_version(),
+          "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+
+
 def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str, common: dict | None = None,
         target: float = 0.8, description: str = "") -> dict:
   """Run (or read) every cell × seed and write the results JSON after each; returns it."""

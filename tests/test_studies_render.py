@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_staleness"]
+STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_staleness", "joint_sweep"]
 
 
 def load(study):
@@ -22,7 +22,7 @@ def load(study):
 
 
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
-                         + [("presets_across_staleness", "results_full")])
+                         + [("presets_across_staleness", "results_full"), ("joint_sweep", "exact")])
 def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)
   if not os.path.exists(os.path.join(directory, f"{name}.json")):
@@ -35,6 +35,19 @@ def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   with open(os.path.join(directory, "README.md")) as f:
     assert (tmp_path / "README.md").read_text() == f.read()
   assert list(tmp_path.glob("*.png"))
+
+
+def test_joint_sweep_broad_region_and_cells():
+  module = load("joint_sweep")
+  grid = [[0.10, 0.12, 0.50], [0.15, 0.30, 0.90]]
+  assert module.broad_region(grid, higher_is_better=False, margin=0.05) == pytest.approx(3 / 6)
+  assert module.broad_region([[0.9, 0.88], [0.5, 0.87]], higher_is_better=True, margin=0.03) == 0.75
+  preset = module.copc_cell(2.0, 3.0)
+  assert preset.actor.mask_range == (0.5, 2.0) and preset.estimator.rho_clip == (1 / 3, 3.0)
+  assert preset.estimator.trace_clip == (1 / 3, 1.0)
+  assert module.copc_cell(2.0, 3.0, "zero_one").estimator.trace_clip == (0.0, 1.0)
+  cells = module.rl_cells((1.5, module.INF))
+  assert [c.name for c in cells] == ["h1.5_rho1.5", "h1.5_rho∞", "h∞_rho1.5", "h∞_rho∞"]
 
 
 def test_advantage_staleness_statistics():

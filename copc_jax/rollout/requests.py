@@ -15,7 +15,6 @@ import math
 import numpy as np
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3   # logits / τ stays far inside float32; greedy is top_k = 1
-MAX_STOP_SEQUENCES = 64
 SEED_LIMIT = 2**32
 GENERATE_FIELDS = ("token_ids", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "seed")
 
@@ -125,8 +124,11 @@ def generate_request(body, limits: Limits) -> GenerateRequest:
     raise RequestError("Generate: token_ids and max_tokens are required")
   prompt = token_ids(body["token_ids"], "token_ids", limits.vocab_size)
   stops = body.get("stop_sequences", [])
-  if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
-    raise RequestError(f"stop_sequences must be a list of at most {MAX_STOP_SEQUENCES} token-id lists")
+  if not isinstance(stops, list) or len(stops) > limits.vocab_size:
+    raise RequestError(f"stop_sequences must be a list of at most {limits.vocab_size} (the vocabulary's size) "
+                       f"token-id lists")
+  if any(isinstance(s, list) and len(s) > limits.max_length for s in stops):
+    raise RequestError(f"stop_sequences: each may have at most max_length ({limits.max_length}) tokens")
   seed = body.get("seed")
   return GenerateRequest(
       token_ids=prompt, max_tokens=generation_length(limits, len(prompt), body["max_tokens"]),
