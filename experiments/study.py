@@ -216,12 +216,32 @@ def paired_difference(results: dict, name: str, reference: str, key: str = "fina
   return {"mean": float(values.mean()), "std": float(values.std()), "n": int(values.size)}
 
 
+COLLAPSE_DROP = 0.2
+
+
+def collapse_step(curve, drop: float = COLLAPSE_DROP) -> int | None:
+  """The first evaluation at which held-out accuracy is more than `drop` below its running maximum and
+  stays there to the end of the run (a collapse that does not recover), or None."""
+  for i, (step, accuracy) in enumerate(curve):
+    peak = max(a for _, a in curve[:i + 1])
+    if accuracy < peak - drop and all(a < peak - drop for _, a in curve[i:]):
+      return int(step)
+  return None
+
+
+def _collapses(entry: dict) -> str:
+  steps = [collapse_step(run["eval_curve"]) for run in entry["runs"].values()]
+  at = sorted(s for s in steps if s is not None)
+  return f"{len(at)}/{len(steps)}" + (f" (at {', '.join(map(str, at))})" if at else "")
+
+
 def table(results: dict, cells: list[str] | None = None, reference: str | None = None) -> str:
   """Markdown: one row per cell, mean ± std over seeds (and the paired difference to `reference`)."""
   paired = f" final − {reference} (paired) |" if reference else ""
   lines = [f"| cell | seeds | final accuracy |{paired} AUC | peak → final drop | updates to "
-           f"{results['target_accuracy']:.2f} (seeds that reached it) | mask fraction | ESS | staleness |",
-           "|---|---:|---:|" + ("---:|" if reference else "") + "---:|---:|---:|---:|---:|---:|"]
+           f"{results['target_accuracy']:.2f} (seeds that reached it) | collapsed (seeds) | mask fraction | "
+           "ESS | staleness |",
+           "|---|---:|---:|" + ("---:|" if reference else "") + "---:|---:|---:|---:|---:|---:|---:|"]
   for name in cells or results["cells"]:
     entry = results["cells"][name]
     a = entry["aggregate"]
@@ -229,7 +249,7 @@ def table(results: dict, cells: list[str] | None = None, reference: str | None =
     to_target = "–" if reached is None else f"{reached['mean']:.0f} ({reached['n']}/{len(entry['runs'])})"
     difference = f" {_fmt(paired_difference(results, name, reference))} |" if reference else ""
     lines.append(f"| {name} | {len(entry['runs'])} | {_fmt(a['final_eval_accuracy'])} |{difference} "
-                 f"{_fmt(a['auc'])} | {_fmt(a['peak_to_final_drop'])} | {to_target} | "
+                 f"{_fmt(a['auc'])} | {_fmt(a['peak_to_final_drop'])} | {to_target} | {_collapses(entry)} | "
                  f"{_fmt(a['mask_fraction_mean'], 4)} | {_fmt(a['ess_mean'])} | "
                  f"{_fmt(a['staleness_mean'], 1)} |")
   return "\n".join(lines)

@@ -67,3 +67,10 @@ def test_aggregate_counts_only_seeds_that_reached_the_target():
   assert a["final_eval_accuracy"]["mean"] == pytest.approx(0.6)
   assert a["final_eval_accuracy"]["std"] == pytest.approx(0.1)
   assert a["updates_to_target"] == {"mean": 10.0, "std": 0.0, "min": 10.0, "max": 10.0, "n": 1}
+
+
+def test_collapse_is_a_drop_that_does_not_recover():
+  assert study.collapse_step([(0, 0.4), (20, 0.9), (40, 0.6), (60, 0.65)]) == 40
+  assert study.collapse_step([(0, 0.4), (20, 0.9), (40, 0.6), (60, 0.8)]) is None      # recovered
+  assert study.collapse_step([(0, 0.4), (20, 0.9), (40, 0.75)]) is None                # within 0.2
+  assert study.collapse_step([(0, 0.9), (20, 0.5), (40, 0.95), (60, 0.1)]) == 60       # the running max
