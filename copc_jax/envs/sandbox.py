@@ -181,6 +181,8 @@ def bwrap_command(code_fd: int, seccomp_fd: int, *, launcher: str, disk_bytes: i
 def _check_available() -> None:
   if shutil.which("bwrap") is None:
     raise SandboxUnavailable("the sandbox needs bubblewrap: `apt-get install bubblewrap` (setup.sh does it)")
+  if _sandbox_uid() != os.geteuid() and shutil.which("setpriv") is None:
+    raise SandboxUnavailable("the sandbox needs util-linux's setpriv to hand the run to user nobody")
   seccomp_filter()
   _interpreter(_sandbox_uid())
 
@@ -280,10 +282,14 @@ def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, max_
   seccomp_fd = _memfd("seccomp", seccomp_filter())
   try:
     command = bwrap_command(code_fd, seccomp_fd, launcher=launcher, disk_bytes=disk_mb << 20, uid=uid)
-    as_nobody = dict(user=uid, group=uid, extra_groups=[]) if uid != os.geteuid() else {}
+    if uid != os.geteuid():
+      # setpriv, not Popen(user=...): that would make Python fork() instead of vfork(), and a fork()
+      # while gRPC threads are busy (a trainer's rollout workers) loses in-flight calls.
+      command = [shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                 "--", *command]
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, pass_fds=(code_fd, seccomp_fd), env={},
-                               start_new_session=True, **as_nobody)
+                               start_new_session=True)
   finally:
     os.close(code_fd)
     os.close(seccomp_fd)

@@ -5,7 +5,9 @@ A generation streams one message per decode step, so a call that has received no
 detector then asks that server for its Status with a deadline of `probe_timeout_s`: a server whose
 event loop still answers is slow and its calls keep waiting; one that does not is hung. The
 detector cancels the hung server's calls (the pool resubmits them elsewhere, from the start) and
-tells the pool, which takes the server out of routing until it answers Status again.
+tells the pool, which takes the server out of routing until it answers Status again. A call that
+stays silent for `lost_timeout_s` on a server that answers is lost (the server no longer knows it):
+it alone is cancelled and resubmitted, and the server stays in routing.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ class _Watched:
   server: object
   call: object
   last_message: float
+  last_checked: float = 0.0
 
 
 class HangDetector:
   def __init__(self, on_hung, *, stall_timeout_s: float = 10.0, probe_timeout_s: float = 5.0,
-               interval_s: float = 0.25):
-    if stall_timeout_s <= 0 or probe_timeout_s <= 0:
-      raise ValueError(f"stall_timeout_s and probe_timeout_s must be > 0; got {stall_timeout_s}, "
-                       f"{probe_timeout_s}")
+               lost_timeout_s: float = 120.0, interval_s: float = 0.25):
+    if not 0 < stall_timeout_s <= lost_timeout_s or probe_timeout_s <= 0:
+      raise ValueError(f"need 0 < stall_timeout_s <= lost_timeout_s and probe_timeout_s > 0; got "
+                       f"{stall_timeout_s}, {lost_timeout_s}, {probe_timeout_s}")
     self.on_hung, self.stall_timeout_s, self.probe_timeout_s = on_hung, stall_timeout_s, probe_timeout_s
+    self.lost_timeout_s = lost_timeout_s
+    self.lost = 0
     self.interval_s = interval_s
     self._calls: set[_Watched] = set()
     self._lock = threading.Lock()
@@ -68,7 +73,8 @@ class HangDetector:
     while not self._stopped.wait(self.interval_s):
       now = time.monotonic()
       with self._lock:
-        stalled = {id(w.server): w.server for w in self._calls if now - w.last_message > self.stall_timeout_s}
+        stalled = {id(w.server): w.server for w in self._calls
+                   if now - max(w.last_message, w.last_checked) > self.stall_timeout_s}
       for server in stalled.values():
         hung = not self.responds(server)
         if hung:
@@ -77,8 +83,11 @@ class HangDetector:
           for watched in [w for w in self._calls if w.server is server]:
             if hung:
               watched.call.cancel()
+            elif time.monotonic() - watched.last_message > self.lost_timeout_s:
+              self.lost += 1
+              watched.call.cancel()                          # lost: resubmitted, the server stays
             else:
-              watched.last_message = time.monotonic()      # slow, not hung: wait another period
+              watched.last_checked = time.monotonic()        # slow, not hung: wait another period
 
   def close(self):
     self._stopped.set()

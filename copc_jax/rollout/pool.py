@@ -53,7 +53,7 @@ class RolloutPool:
   def __init__(self, checkpoint: str | None = None, *, num_servers: int = 2,
                addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 5,
                ready_timeout_s: float = 120.0, log_dir: str | None = None, stall_timeout_s: float = 10.0,
-               probe_timeout_s: float = 5.0, **server_kwargs):
+               probe_timeout_s: float = 5.0, lost_timeout_s: float = 120.0, **server_kwargs):
     if (checkpoint is None) == (addresses is None):
       raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
     self._checkpoint, self._server_kwargs, self._log_dir = checkpoint, server_kwargs, log_dir
@@ -76,7 +76,7 @@ class RolloutPool:
           process.stop()
         raise
     self._detector = HangDetector(self._on_hung, stall_timeout_s=stall_timeout_s,
-                                  probe_timeout_s=probe_timeout_s)
+                                  probe_timeout_s=probe_timeout_s, lost_timeout_s=lost_timeout_s)
     atexit.register(self.close)
 
   def _log_path(self, index: int) -> str | None:

@@ -42,6 +42,7 @@ class RolloutConfig:
   ready_timeout_s: float = 300.0
   stall_timeout_s: float = 10.0         # a generation silent this long makes the pool probe its server
   probe_timeout_s: float = 5.0          # ... which is hung if Status gets no answer within this
+  lost_timeout_s: float = 120.0         # a generation silent this long on a server that answers: resubmitted
 
   def __post_init__(self):
     if not self.addresses and self.num_servers < 1:
@@ -53,9 +54,12 @@ class RolloutConfig:
       raise ValueError(f"max_length ({self.max_length}) must exceed max_prefill_length "
                        f"({self.max_prefill_length})")
     _ = self.sampling   # validates temperature, top_p, top_k
-    for name in ("ready_timeout_s", "stall_timeout_s", "probe_timeout_s"):
+    for name in ("ready_timeout_s", "stall_timeout_s", "probe_timeout_s", "lost_timeout_s"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+    if self.lost_timeout_s < self.stall_timeout_s:
+      raise ValueError(f"lost_timeout_s ({self.lost_timeout_s}) must be >= stall_timeout_s "
+                       f"({self.stall_timeout_s})")
 
   @property
   def sampling(self) -> SamplingParams:

@@ -239,7 +239,8 @@ class Trainer:
     count = len(addresses) or (1 if evaluation else c.num_servers)
     _say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
     try:
-      health = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s)
+      health = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
+                    lost_timeout_s=c.lost_timeout_s)
       if addresses:
         return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **health)
       # Servers start on the base weights as version -1; every version the learner

@@ -1,0 +1,80 @@
+"""The hang detector on stand-ins: which calls it cancels, and when it calls a server hung."""
+
+import threading
+
+import grpc
+
+from copc_jax.rollout.health import HangDetector
+
+
+class FakeCall:
+  """A stream that yields nothing until cancelled (or released)."""
+
+  def __init__(self):
+    self.cancelled, self.released = threading.Event(), threading.Event()
+
+  def __iter__(self):
+    while not (self.cancelled.is_set() or self.released.is_set()):
+      self.cancelled.wait(0.01)
+    if self.cancelled.is_set():
+      raise grpc.RpcError("cancelled")
+    yield {"token_ids": [1]}
+
+  def cancel(self):
+    self.cancelled.set()
+
+
+class FakeServer:
+  def __init__(self, answers: bool):
+    self.answers, self.client = answers, self
+    self.probes = 0
+
+  def status(self, timeout_s):
+    self.probes += 1
+    if not self.answers:
+      raise grpc.RpcError("no answer")
+    return {}
+
+
+def consume(detector, server, call):
+  with detector.watch(server, call) as messages:
+    try:
+      return list(messages)
+    except grpc.RpcError:
+      return "cancelled"
+
+
+def test_a_server_that_does_not_answer_is_hung_and_its_calls_cancelled():
+  hung = []
+  detector = HangDetector(hung.append, stall_timeout_s=0.05, probe_timeout_s=0.05, lost_timeout_s=60,
+                          interval_s=0.01)
+  server = FakeServer(answers=False)
+  assert consume(detector, server, FakeCall()) == "cancelled"
+  assert hung == [server] and detector.lost == 0
+  detector.close()
+
+
+def test_a_silent_call_on_an_answering_server_is_lost_not_hung():
+  hung = []
+  detector = HangDetector(hung.append, stall_timeout_s=0.05, probe_timeout_s=0.05, lost_timeout_s=0.3,
+                          interval_s=0.01)
+  server = FakeServer(answers=True)
+  assert consume(detector, server, FakeCall()) == "cancelled"
+  assert hung == [] and detector.lost == 1 and server.probes >= 1
+  detector.close()
+
+
+def test_a_slow_call_that_finishes_is_left_alone():
+  hung = []
+  detector = HangDetector(hung.append, stall_timeout_s=0.02, probe_timeout_s=0.05, lost_timeout_s=3600,
+                          interval_s=0.01)
+  server, call = FakeServer(answers=True), FakeCall()
+  result = []
+  thread = threading.Thread(target=lambda: result.append(consume(detector, server, call)))
+  thread.start()
+  while server.probes < 2:          # probed at least twice (slow, not hung), then it finishes
+    threading.Event().wait(0.01)
+  call.released.set()
+  thread.join()
+  assert result == [[{"token_ids": [1]}]] and hung == [] and detector.lost == 0
+  detector.close()
