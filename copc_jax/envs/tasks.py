@@ -34,6 +34,7 @@ class TaskConfig:
   train_size: int = 512               # synthetic tasks
   eval_size: int = 128
   demo_tool_fraction: float = 1.0     # share of demonstrations that use the tool (the rest answer directly)
+  demo_max_hops: int = 2              # knowledge_search: demonstrations only up to this many hops
   train_path: str = ""                # math / search
   eval_path: str = ""
   question_field: str = "question"
@@ -56,6 +57,8 @@ class TaskConfig:
       raise ValueError(f"reward_metric must be 'em' or 'f1'; got {self.reward_metric!r}")
     if self.topk < 1:
       raise ValueError(f"topk must be >= 1; got {self.topk}")
+    if self.demo_max_hops not in (1, 2):
+      raise ValueError(f"demo_max_hops must be 1 or 2; got {self.demo_max_hops}")
 
 
 @dataclasses.dataclass
@@ -73,7 +76,8 @@ class Task:
   def demonstrations(self, records: list[dict]) -> list[dict]:
     if self.demonstration is None:
       raise ValueError(f"task {self.name!r} has no demonstrations; set warm_start.steps = 0")
-    return [{"prompt": self.prompt(r), "response": self.demonstration(r)} for r in records]
+    demos = [{"prompt": self.prompt(r), "response": self.demonstration(r)} for r in records]
+    return [d for d in demos if d["response"] is not None]     # None: this record has no demonstration
 
 
 def _require_file(field: str, path: str) -> str:
@@ -141,9 +145,14 @@ def _knowledge_search(config: TaskConfig, seed: int) -> Task:
   kb, train, eval_ = synthetic_tasks.knowledge_splits(seed)
   retriever = search.Retriever(kb.passages())
   tool = search.SearchTool(retriever=retriever, topk=config.topk)
+  def demonstration(record):
+    if record["hops"] > config.demo_max_hops:
+      return None                   # left for RL to learn (e.g. two chained searches)
+    return synthetic_tasks.search_demonstration(record, kb, retriever, config.topk)
+
   return Task("knowledge_search", train[:config.train_size], eval_[:config.eval_size], search.SEARCH_CLOSE,
               SEARCH_TOOL_OUTPUT, _prompt(search.format_prompt, config), tool, _search_score(config),
-              lambda r: synthetic_tasks.search_demonstration(r, kb, retriever, config.topk))
+              demonstration)
 
 
 def _records(config: TaskConfig) -> tuple[list[dict], list[dict]]:

@@ -132,6 +132,8 @@ class RolloutPool:
 
   def _on_hung(self, server: _Server) -> None:
     """Out of routing until it answers Status again (checked in a thread of its own)."""
+    if server.process is not None and not server.process.alive():
+      return                            # dead, not hung: the caller's failure path restarts it
     with self._cond:
       if server.hung:
         return
@@ -143,7 +145,11 @@ class RolloutPool:
     while not self._closed:
       if server.process is not None and not server.process.alive():
         server.hung = False
-        self._handle_failure(server)        # it died while hung: a restart, as for any dead server
+        try:
+          self._handle_failure(server)      # it died while hung: a restart, as for any dead server
+        except (RuntimeError, TimeoutError):
+          if not self._closed:
+            raise
         return
       if self._detector.responds(server):
         try:
@@ -188,8 +194,11 @@ class RolloutPool:
     self._latest_weights = (path, version)
 
     def push(server: _Server) -> None:
-      if not server.healthy:
+      if server.process is not None and not server.process.alive():
+        self._handle_failure(server)    # dead: restarted now, with these weights
         return
+      if not server.healthy:
+        return                          # paused (or an unreachable remote): it gets them when it answers
       if not self._detector.responds(server):
         self._on_hung(server)       # it gets these weights when it answers again
         return

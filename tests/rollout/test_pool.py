@@ -64,6 +64,11 @@ def test_weight_push_reaches_every_server_and_restarted_ones(checkpoint, tmp_pat
     assert pool.status()[1]["version"] == 3
     outs = pool.generate_many([dict(token_ids=[1, 5, 6], max_tokens=4)] * 8)
     assert all(set(o.versions) == {3} for o in outs)
+    pool.servers[0].process.kill()
+    pool._on_hung(pool.servers[0])          # the detector's probe of a dead server: not "hung"
+    assert not pool.servers[0].hung
+    pool.update_weights(str(tmp_path / "v3"), version=4)     # a push restarts a dead server
+    assert [s["version"] for s in pool.status()] == [4, 4] and pool.servers[0].restarts == 1
 
 
 def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
