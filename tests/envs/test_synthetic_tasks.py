@@ -49,3 +49,14 @@ def test_oracle_script_shows_the_tool_is_needed():
   rows = {line.split()[0] + line.split()[1]: line.split()[-2:] for line in result.stdout.splitlines()[1:]}
   for with_tool, without in rows.values():
     assert float(with_tool) > 0.9 and float(without) < 0.2
+
+
+def test_knowledge_search_can_leave_two_hop_questions_to_rl():
+  from copc_jax.envs.tasks import TaskConfig, make_task
+
+  every = make_task(TaskConfig(name="knowledge_search", topk=1), 0)
+  one_hop = make_task(TaskConfig(name="knowledge_search", topk=1, demo_max_hops=1), 0)
+  assert [r["question"] for r in one_hop.train] == [r["question"] for r in every.train]   # RL sees all
+  demos = one_hop.demonstrations(one_hop.train)
+  assert len(demos) == sum(r["hops"] == 1 for r in one_hop.train) < len(every.demonstrations(every.train))
+  assert all("founder" not in d["prompt"] for d in demos)
