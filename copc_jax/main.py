@@ -82,14 +82,19 @@ def explain_flag_error(err: Exception, argv: list[str]) -> str:
   return message if message.startswith("--") else f"flags: {message}"
 
 
+def _usage_error(message: str):
+  """One line on stderr, exit status 2."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   try:
     return FLAGS(argv)
   except Exception as err:  # noqa: BLE001 - every mistake gets one line
     if "--verbose" in argv:
       raise
-    print(f"error: {explain_flag_error(err, argv)}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    _usage_error(explain_flag_error(err, argv))
 
 
 def main(argv):
@@ -111,8 +116,7 @@ def main(argv):
   except (ValueError, TypeError, WorkdirError) as err:
     if FLAGS.verbose:
       raise
-    print(f"error: {err}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    _usage_error(str(err))
   if FLAGS.distributed:
     jax.distributed.initialize()
   if jax.process_index() == 0 or FLAGS["verbosity"].present:
@@ -125,11 +129,10 @@ def main(argv):
       trainer.run(config, FLAGS.workdir, fresh_start=FLAGS.fresh_start)
     else:
       JOBS[config.job](config, FLAGS.workdir)
-  except WorkdirError as err:
+  except WorkdirError as err:           # another run took the workdir since the check above
     if FLAGS.verbose:
       raise
-    print(f"error: {err}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    _usage_error(str(err))
   except (trainer.TrainingError, checkpoint.CheckpointError, FileNotFoundError) as err:
     if FLAGS.verbose:
       raise

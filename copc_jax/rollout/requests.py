@@ -83,8 +83,8 @@ def number(value, name: str, low: float, high: float, *, low_open: bool = False)
   return float(value)
 
 
-def token_ids(value, name: str, vocab_size: int, *, allow_empty: bool = False) -> list[int]:
-  if not isinstance(value, list | tuple | np.ndarray) or (len(value) == 0 and not allow_empty):
+def token_ids(value, name: str, vocab_size: int) -> list[int]:
+  if not isinstance(value, list | tuple | np.ndarray) or len(value) == 0:
     raise RequestError(f"{name} must be a non-empty list of token ids; got {type(value).__name__}")
   if not all(_is_integer(t) for t in value):
     raise RequestError(f"{name} must be integers; got {next(t for t in value if not _is_integer(t))!r}")

@@ -107,10 +107,8 @@ def claim(path: str, *, fresh_start: bool = False, process_index: int = 0, log=p
 
 def check(path: str, *, fresh_start: bool = False) -> None:
   """What `claim` would refuse, found without changing anything (for a command line to fail early)."""
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise WorkdirError(f"--workdir={path}: exists and is not a directory")
-  if not os.path.isdir(path):
+  if not os.path.exists(path):
     return
-  with _locked(path, 0):
+  with _locked(path, 0):                 # a path that is not a directory is refused here
     if not fresh_start:
       _refuse_history(path)

@@ -44,10 +44,15 @@ def consume(detector, server, call):
       return "cancelled"
 
 
-def test_a_server_that_does_not_answer_is_hung_and_its_calls_cancelled():
+def make_detector(stall_timeout_s=0.05, lost_timeout_s=60.0):
+  """A fast-polling detector and the list of servers it called hung."""
   hung = []
-  detector = HangDetector(hung.append, stall_timeout_s=0.05, probe_timeout_s=0.05, lost_timeout_s=60,
-                          interval_s=0.01)
+  return HangDetector(hung.append, stall_timeout_s=stall_timeout_s, probe_timeout_s=0.05,
+                      lost_timeout_s=lost_timeout_s, interval_s=0.01), hung
+
+
+def test_a_server_that_does_not_answer_is_hung_and_its_calls_cancelled():
+  detector, hung = make_detector()
   server = FakeServer(answers=False)
   assert consume(detector, server, FakeCall()) == "cancelled"
   assert hung == [server] and detector.lost == 0
@@ -55,9 +60,7 @@ def test_a_server_that_does_not_answer_is_hung_and_its_calls_cancelled():
 
 
 def test_a_silent_call_on_an_answering_server_is_lost_not_hung():
-  hung = []
-  detector = HangDetector(hung.append, stall_timeout_s=0.05, probe_timeout_s=0.05, lost_timeout_s=0.3,
-                          interval_s=0.01)
+  detector, hung = make_detector(lost_timeout_s=0.3)
   server = FakeServer(answers=True)
   assert consume(detector, server, FakeCall()) == "cancelled"
   assert hung == [] and detector.lost == 1 and server.probes >= 1
@@ -65,9 +68,7 @@ def test_a_silent_call_on_an_answering_server_is_lost_not_hung():
 
 
 def test_a_slow_call_that_finishes_is_left_alone():
-  hung = []
-  detector = HangDetector(hung.append, stall_timeout_s=0.02, probe_timeout_s=0.05, lost_timeout_s=3600,
-                          interval_s=0.01)
+  detector, hung = make_detector(stall_timeout_s=0.02, lost_timeout_s=3600)
   server, call = FakeServer(answers=True), FakeCall()
   result = []
   thread = threading.Thread(target=lambda: result.append(consume(detector, server, call)))
