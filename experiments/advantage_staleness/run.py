@@ -1,10 +1,11 @@
 """Study: advantage staleness on the real task, against Monte-Carlo advantages of the current policy.
 
-  python experiments/advantage_staleness/run.py              # lags 0 1 4 16 64, 24 episodes, M = 8
+  python experiments/advantage_staleness/run.py              # seeds 0 1 2, lags 0 1 4 16 64, M = 8
+  python experiments/advantage_staleness/run.py --seeds 3    # one more seed (finished seeds are kept)
   python experiments/advantage_staleness/run.py --render     # table and figure from results.json
 
-1. A lag-64 COPC run of the default task (`--updates` updates from the shared warm start of seed 0)
-   leaves the learner at version U and keeps the weights of versions U − 64 … U.
+1. Per seed, a lag-64 COPC run of the default task (`--updates` updates from the shared warm start of
+   that seed) leaves the learner at version U and keeps the weights of versions U − 64 … U.
 2. For each lag k, episodes of `--episodes` training prompts are generated with version U − k
    (μ) through a JetStream server, and the learner at version U (π, its critic V) computes each
    estimator's advantages on them, before whitening, as in a training step.
@@ -13,6 +14,12 @@
    (version U, a second server, the real sandboxed tool and reward) from the prefix with a_t, and M
    from the prefix alone. Its noise variance, Var(Q̂)/M + Var(V̂)/M, is subtracted from the squared
    error, so the MSE column estimates E[(Â − A^π)²].
+4. The tokens of every seed are pooled per lag; 95% CIs come from a bootstrap over episodes (the
+   tokens of one episode share its continuations' randomness), and each seed's own numbers are kept.
+
+GAE with λ = 0.8 and no correction is the control for the toy's best COPC setting (λ = 0.8,
+truncated traces, `vtrace_pg`): what both gain over λ = 1 is the shorter trace, and only a gap that
+opens between them as k grows is the correction of staleness.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import os
 import random
 import sys
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,7 +40,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import study  # noqa: E402
 
-LAGS = (64, 16, 4, 1, 0)        # in this order: the behaviour server's versions only move forward
+LAGS = (0, 1, 4, 16, 64)
+SEEDS = (0, 1, 2)
 
 
 def estimators_compared():
@@ -40,7 +49,9 @@ def estimators_compared():
 
   from copc_jax import presets
   copc = presets.get_preset("copc").estimator
-  return {"GAE (no correction)": presets.get_preset("decoupled_ppo").estimator,
+  gae = presets.get_preset("decoupled_ppo").estimator
+  return {"GAE (no correction)": gae,
+          "GAE λ = 0.8 (no correction)": dataclasses.replace(gae, lam=0.8),
           "V-trace": presets.get_preset("vtrace").estimator,
           "COPC (defaults)": copc,
           "COPC (toy's best)": dataclasses.replace(copc, rho_clip=(0.0, float("inf")), trace_clip=(0.0, 1.0),
@@ -69,9 +80,8 @@ def mc_advantage(runner, episode, index: int, m: int, key) -> dict:
           "v": float(np.mean(v))}
 
 
-def measure(args) -> dict:
-  import jax
-
+def measure_seed(args, seed: int) -> dict:
+  """One learner (a lag-max(lags) run of `seed`): per lag, the behaviour episodes and the MC targets."""
   from copc_jax import estimators
   from copc_jax.envs import data
   from copc_jax.rollout.agent import to_batch
@@ -80,20 +90,20 @@ def measure(args) -> dict:
   from copc_jax.train import rollouts, trainer
   from copc_jax.train.learner import state_values
 
-  config = "configs/default.py"
-  overrides = {"preset": "copc", "trainer.mode": "lag", "trainer.lag": max(LAGS), "trainer.steps": args.updates,
-               "trainer.eval_every": 0, "trainer.checkpoint_every": args.updates}
-  warm = study.shared_warm_start(config, {}, args.seed, args.root)
-  train_dir = os.path.join(args.root, f"lag{max(LAGS)}_seed{args.seed}")
+  config, lags = "configs/default.py", sorted(args.lags)
+  overrides = {"preset": "copc", "trainer.mode": "lag", "trainer.lag": max(lags), "trainer.steps": args.updates,
+               "trainer.eval_every": 0, "trainer.checkpoint_every": args.updates, **args.common}
+  warm = study.shared_warm_start(config, args.common, seed, args.root)
+  train_dir = os.path.join(args.root, f"lag{max(lags)}_updates{args.updates}_seed{seed}")
   if not os.path.exists(os.path.join(train_dir, "summary.json")):
-    print(f"training {args.updates} updates at lag {max(LAGS)}...", flush=True)
-    study.run_cell(config, overrides, args.seed, train_dir, warm)
-  typed = study.load_config(config, {**overrides, "model.checkpoint": warm, "warm_start.steps": 0}, args.seed)
+    print(f"seed {seed}: training {args.updates} updates at lag {max(lags)}...", flush=True)
+    study.run_cell(config, overrides, seed, train_dir, warm)
+  typed = study.load_config(config, {**overrides, "model.checkpoint": warm, "warm_start.steps": 0}, seed)
   run = trainer.Trainer(typed, train_dir)              # restores the learner at version U
   version = run.step
   actor, critic = run.learner.actor, run.learner.critic
   c = typed.rollout
-  records = data.PromptIterator(run.task.train, seed=1234)
+  records = data.PromptIterator(run.task.train, seed=1234 + seed)
   records = [next(records) for _ in range(args.episodes)]
   pool_args = dict(num_servers=1, max_in_flight=c.max_in_flight, slots=c.slots,
                    max_prefill_length=c.max_prefill_length, max_length=c.max_length, version=-1,
@@ -102,10 +112,10 @@ def measure(args) -> dict:
   rows = {}
   with RolloutPool(warm, **pool_args) as behaviour, RolloutPool(warm, **pool_args) as current:
     current.update_weights(weights(version), version)
-    runner_pi = rollouts.EpisodeRunner(current.generate, run.task, run.tokenizer, c, seed=("pi",))
-    for lag in LAGS:
+    runner_pi = rollouts.EpisodeRunner(current.generate, run.task, run.tokenizer, c, seed=("pi", seed))
+    for lag in reversed(lags):          # the behaviour server's versions only move forward
       behaviour.update_weights(weights(version - lag), version - lag)
-      runner_mu = rollouts.EpisodeRunner(behaviour.generate, run.task, run.tokenizer, c, seed=("mu", lag))
+      runner_mu = rollouts.EpisodeRunner(behaviour.generate, run.task, run.tokenizer, c, seed=("mu", seed, lag))
       episodes = rollouts.collect(runner_mu, records, c.concurrency)
       batch = to_batch([e.trajectory for e in episodes], length=c.max_length)
       logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
@@ -117,34 +127,70 @@ def measure(args) -> dict:
       log_ratio = np.asarray(logp_prox - batch.behavior_logprobs)
       rng = random.Random(lag)
       jobs = [(i, index) for i, e in enumerate(episodes) for index in chosen_positions(e.trajectory, rng)]
-      print(f"lag {lag}: {len(jobs)} tokens × 2 × {args.mc} continuations", flush=True)
+      print(f"seed {seed}, lag {lag}: {len(jobs)} tokens × 2 × {args.mc} continuations", flush=True)
       with ThreadPoolExecutor(c.concurrency) as executor:
         mc = list(executor.map(mc_advantage, [runner_pi] * len(jobs), [episodes[i] for i, _ in jobs],
                                [index for _, index in jobs], [args.mc] * len(jobs),
-                               [(lag, i, index) for i, index in jobs]))
+                               [(seed, lag, i, index) for i, index in jobs]))
       tokens = []
       for (i, index), estimate in zip(jobs, mc, strict=True):
         position = len(episodes[i].trajectory.prompt_ids) + index
         tokens.append({**estimate, "episode": i, "index": index, "log_ratio": float(log_ratio[i, position]),
                        "estimators": {name: float(a[i, position]) for name, a in advantages.items()}})
       policy = np.asarray(batch.mask)
-      rows[str(lag)] = {"behaviour_version": version - lag, "learner_version": version, "tokens": tokens,
+      rows[str(lag)] = {"behaviour_version": version - lag, "tokens": tokens,
                         "abs_log_ratio_mean": float(np.abs(log_ratio[policy]).mean()),
                         "outside_default_mask": float((np.abs(log_ratio[policy]) > np.log(2)).mean()),
                         "reward_mean": float(np.mean([e.trajectory.reward for e in episodes])),
-                        "metrics": summarise(tokens)}
-      print(json.dumps(rows[str(lag)]["metrics"]["COPC (defaults)"]), flush=True)
-  return {"description": __doc__.splitlines()[0], "learner_version": version, "episodes": args.episodes,
-          "mc_continuations": args.mc, "seed": args.seed, "updates": args.updates,
-          "git_commit": study.git_commit(), "jax_version": jax.__version__, "lags": rows}
+                        "metrics": summarise(tokens, resamples=args.resamples)}
+  return {"learner_version": version, "git_commit": study.git_commit(), "lags": rows}
+
+
+def pooled(per_seed: dict, resamples: int = 2000) -> dict:
+  """Per lag: every seed's tokens together (episodes keep their seed), ratios averaged over seeds."""
+  lags = sorted(set.intersection(*(set(r["lags"]) for r in per_seed.values())), key=int)
+  out = {}
+  for lag in lags:
+    rows = [r["lags"][lag] for r in per_seed.values()]
+    tokens = [{**t, "episode": f"{seed}/{t['episode']}"} for seed, r in per_seed.items()
+              for t in r["lags"][lag]["tokens"]]
+    out[lag] = {"tokens": len(tokens), "metrics": summarise(tokens, resamples),
+                **{key: float(np.mean([row[key] for row in rows]))
+                   for key in ("abs_log_ratio_mean", "outside_default_mask", "reward_mean")}}
+  return out
+
+
+def measure(args, results: dict) -> dict:
+  """Run every seed not in `results` yet (writing after each); then pool."""
+  import jax
+  args.common = {"warm_start.steps": args.warm_start_steps} if args.warm_start_steps is not None else {}
+  per_seed = results.setdefault("seeds", {})
+  for seed in args.seeds:
+    done = per_seed.get(str(seed))
+    if done and set(map(str, args.lags)) <= set(done["lags"]):
+      continue
+    per_seed[str(seed)] = measure_seed(args, seed)
+    results.update({"description": __doc__.splitlines()[0], "episodes": args.episodes,
+                    "mc_continuations": args.mc, "updates": args.updates, "lag_of_training_run": max(args.lags),
+                    "estimators": list(estimators_compared()), "jax_version": jax.__version__,
+                    "git_commit": study.git_commit(), **study.provenance()})
+    results["lags"] = pooled(per_seed, args.resamples)
+    study.write_json(args.out, results)
+  return results
 
 
 def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
-  """Per estimator: bias, noise-corrected MSE and correlation against the MC advantage, with 95% CIs."""
+  """Per estimator: bias, noise-corrected MSE and correlation against the MC advantage, with 95% CIs
+  from a bootstrap over episodes (a token without an `episode` is its own)."""
   target = np.array([t["mc_advantage"] for t in tokens])
   noise = np.array([t["mc_variance"] for t in tokens])
+  groups: dict = {}
+  for i, t in enumerate(tokens):
+    groups.setdefault(str(t.get("episode", f"token{i}")), []).append(i)
+  groups = [np.array(g) for g in groups.values()]
   rng = np.random.default_rng(0)
-  boot = rng.integers(0, len(tokens), size=(resamples, len(tokens)))
+  boot = [np.concatenate([groups[j] for j in rng.integers(0, len(groups), len(groups))])
+          for _ in range(resamples)]
   out = {}
   for name in tokens[0]["estimators"]:
     estimate = np.array([t["estimators"][name] for t in tokens])
@@ -153,9 +199,11 @@ def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
         error[idx].mean(), (error[idx] ** 2 - noise[idx]).mean(),
         np.corrcoef(estimate[idx], target[idx])[0, 1] if target[idx].std() > 0 else np.nan)
     point = stats(np.arange(len(tokens)))
-    draws = np.array([stats(idx) for idx in boot])
-    out[name] = {key: {"value": float(p), "ci95": [float(np.nanpercentile(draws[:, j], 2.5)),
-                                                    float(np.nanpercentile(draws[:, j], 97.5))]}
+    with warnings.catch_warnings():          # a resample whose targets are all equal has no correlation
+      warnings.simplefilter("ignore", RuntimeWarning)
+      draws = np.array([stats(idx) for idx in boot])
+      ci = [(np.nanpercentile(draws[:, j], 2.5), np.nanpercentile(draws[:, j], 97.5)) for j in range(3)]
+    out[name] = {key: {"value": float(p), "ci95": [float(ci[j][0]), float(ci[j][1])]}
                  for j, (key, p) in enumerate(zip(("bias", "mse", "correlation"), point, strict=True))}
   return out
 
@@ -184,38 +232,53 @@ def render(results: dict, here: str = HERE) -> None:
   fig.savefig(os.path.join(here, "advantage_error.png"), dpi=110)
   plt.close(fig)
   f = lambda s: f"{s['value']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
-  r = results
-  lines = [f"Learner version {r['learner_version']} of a lag-64 COPC run ({r['updates']} updates, "
-           f"seed {r['seed']}); {r['episodes']} episodes per lag, M = {r['mc_continuations']}; "
-           f"commit {r['git_commit'][:10]}, jax {r['jax_version']}. Brackets: 95% bootstrap CIs.", "",
-           "| k | tokens | mean abs log r | tokens outside (0.5, 2) | estimator | bias | MSE | correlation |",
-           "|---:|---:|---:|---:|---|---:|---:|---:|"]
+  r, seeds = results, sorted(results["seeds"], key=int)
+  versions = ", ".join(str(r["seeds"][s]["learner_version"]) for s in seeds)
+  lines = [f"Seeds {', '.join(seeds)}: the learner of a lag-{r['lag_of_training_run']} COPC run after "
+           f"{r['updates']} updates (versions {versions}), its critic; {r['episodes']} episodes per lag and "
+           f"seed, M = {r['mc_continuations']}; tokens of all seeds pooled. Brackets: 95% bootstrap CIs "
+           f"over episodes; last column: each seed's own MSE. Commit {r['git_commit'][:10]}, "
+           f"jax {r['jax_version']}.", "",
+           "| k | tokens | mean abs log r | tokens outside (0.5, 2) | estimator | bias | MSE | correlation | "
+           "MSE per seed |",
+           "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for k in lags:
     row = results["lags"][k]
     for j, name in enumerate(names):
       m = row["metrics"][name]
-      head = (f"| {k} | {len(row['tokens'])} | {row['abs_log_ratio_mean']:.3f} | "
+      head = (f"| {k} | {row['tokens']} | {row['abs_log_ratio_mean']:.3f} | "
               f"{row['outside_default_mask']:.3f} |") if j == 0 else "| | | | |"
-      lines.append(f"{head} {name} | {f(m['bias'])} | {f(m['mse'])} | {f(m['correlation'])} |")
+      per_seed = " / ".join(f"{r['seeds'][s]['lags'][k]['metrics'][name]['mse']['value']:.3f}" for s in seeds
+                            if k in r["seeds"][s]["lags"])
+      lines.append(f"{head} {name} | {f(m['bias'])} | {f(m['mse'])} | {f(m['correlation'])} | {per_seed} |")
   lines += ["", "![advantage error against lag](advantage_error.png)"]
   study.write_between_markers(os.path.join(here, "README.md"), "results", "\n".join(lines))
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--episodes", type=int, default=24)
+  parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+  parser.add_argument("--lags", type=int, nargs="+", default=list(LAGS))
+  parser.add_argument("--episodes", type=int, default=24, help="behaviour episodes per lag and seed")
   parser.add_argument("--mc", type=int, default=8, help="continuations per estimate (M)")
-  parser.add_argument("--updates", type=int, default=80)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--updates", type=int, default=80, help="updates of each seed's lag run")
+  parser.add_argument("--warm_start_steps", type=int, help="override the config's (smoke runs)")
+  parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
   parser.add_argument("--render", action="store_true")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_advantage_staleness"))
   parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
   args = parser.parse_args()
+  if min(args.lags) < 0 or args.updates < max(args.lags):
+    parser.error(f"--lags must be >= 0 and at most --updates ({args.updates}); got {args.lags}")
+  results = {}
+  if os.path.exists(args.out):
+    with open(args.out) as f:
+      results = json.load(f)
+    if "seeds" not in results or results.get("updates") != args.updates:   # another design: start over
+      results = {}
   if not args.render:
-    study.write_json(args.out, measure(args))
-  with open(args.out) as f:
-    results = json.load(f)
-  if os.path.exists(os.path.join(HERE, "README.md")):
+    results = measure(args, results)
+  if os.path.abspath(args.out) == os.path.join(HERE, "results.json"):
     render(results)
 
 
