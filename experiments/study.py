@@ -16,8 +16,13 @@
 - The JSON holds, per cell and seed, the curves and summary numbers of `summarise`, the aggregate
   (mean, std over seeds), and the provenance: git commit, jax version, resolved base config.
 
-Servers are not shared across cells: a cell's versions restart at 0 and a server's only move
-forward, so each cell starts its own (about 15 s of a 2–3 minute cell here).
+- The JetStream servers stay alive across cells (`SharedServers`, `share_servers=True`): each cell gets
+  their addresses (`rollout.addresses`, and `rollout.eval_addresses` for lag mode's evaluation server)
+  and its pool's first push starts the cell's own versions on them, so only the first cell waits for
+  servers to start and compile. Sampling is keyed by each request's seed, so a cell's numbers are the
+  same on shared or its own servers. A cell whose rollout settings differ starts its own; a server
+  that dies is restarted before the next cell, and a cell that failed because of it is run again
+  (it resumes from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -96,6 +101,52 @@ def shared_warm_start(config: str, common: dict, seed: int, root: str) -> str | 
   return warm_start.prepare(make_task(typed.task, seed), base, directory, typed.warm_start, seed=seed)
 
 
+class SharedServers:
+  """Rollout servers kept alive across the cells of a study: `num_servers` for training and one for
+  lag mode's evaluations, with the rollout settings of the first cell that uses them."""
+
+  def __init__(self, checkpoint: str, rollout, log_dir: str):
+    self.checkpoint, self.rollout, self.log_dir = checkpoint, rollout, log_dir
+    self.processes: list = [None] * (rollout.num_servers + 1)      # the last one evaluates
+    self.starts = 0
+
+  @staticmethod
+  def settings(rollout) -> tuple:
+    return rollout.num_servers, rollout.slots, rollout.max_prefill_length, rollout.max_length
+
+  def fits(self, rollout) -> bool:
+    return not rollout.addresses and self.settings(rollout) == self.settings(self.rollout)
+
+  def dead(self) -> list[int]:
+    return [i for i, p in enumerate(self.processes) if p is None or not p.alive()]
+
+  def ensure_running(self) -> None:
+    """Start every server that is not running (at first: all of them), and wait until they answer."""
+    from copc_jax.rollout.process import ServerProcess
+    c = self.rollout
+    dead = self.dead()
+    for i in dead:
+      if self.processes[i] is not None:
+        print(f"shared server {i} died: restarting it", flush=True)
+        self.processes[i].stop()
+      os.makedirs(self.log_dir, exist_ok=True)
+      self.processes[i] = ServerProcess(self.checkpoint, slots=c.slots, max_prefill_length=c.max_prefill_length,
+                                        max_length=c.max_length, seed=i, version=-1,
+                                        log_path=os.path.join(self.log_dir, f"server_{i}.log"))
+      self.starts += 1
+    for i in dead:
+      self.processes[i].wait_ready(c.ready_timeout_s)
+
+  def overrides(self) -> dict:
+    addresses = [p.address for p in self.processes]
+    return {"rollout.addresses": tuple(addresses[:-1]), "rollout.eval_addresses": (addresses[-1],)}
+
+  def close(self) -> None:
+    for process in self.processes:
+      if process is not None:
+        process.stop()
+
+
 def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: str | None) -> None:
   command = [sys.executable, "-m", "copc_jax.main", f"--config={_config_path_and_arg(config, overrides)}",
              f"--workdir={workdir}", f"--config.seed={seed}", "--config.trainer.progress_bar=False",
@@ -157,10 +208,46 @@ def provenance() -> dict:
 
 
 def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str, common: dict | None = None,
-        target: float = 0.8, description: str = "") -> dict:
+        target: float = 0.8, description: str = "", share_servers: bool = True) -> dict:
   """Run (or read) every cell × seed and write the results JSON after each; returns it."""
+  servers: list[SharedServers] = []
+  try:
+    return _run(cells, seeds, config, root, out, dict(common or {}), target, description,
+                servers if share_servers else None)
+  finally:
+    for each in servers:
+      each.close()
+
+
+def _run_on(servers: list[SharedServers] | None, config: str, overrides: dict, seed: int, workdir: str,
+            warm_model: str | None, root: str) -> None:
+  """One cell on the shared servers where its rollout settings allow (else on its own)."""
+  rollout = load_config(config, overrides, seed).rollout
+  if servers is None or (servers and not servers[0].fits(rollout)):
+    run_cell(config, overrides, seed, workdir, warm_model)
+    return
+  if not servers:
+    servers.append(SharedServers(warm_model or trainer_base(config, overrides, seed, root), rollout,
+                                 os.path.join(root, "_servers")))
+  shared = servers[0]
+  shared.ensure_running()
+  try:
+    run_cell(config, {**overrides, **shared.overrides()}, seed, workdir, warm_model)
+  except subprocess.CalledProcessError:
+    if not shared.dead():
+      raise
+    shared.ensure_running()         # a server died under the cell: run it again (it resumes)
+    run_cell(config, {**overrides, **shared.overrides()}, seed, workdir, warm_model)
+
+
+def trainer_base(config: str, overrides: dict, seed: int, root: str) -> str:
+  """The base checkpoint of a study without warm start (its servers start from it)."""
+  from copc_jax.train import trainer
+  return trainer.base_checkpoint(load_config(config, overrides, seed), os.path.join(root, "_base"))
+
+
+def _run(cells, seeds, config, root, out, common, target, description, servers) -> dict:
   import jax
-  common = dict(common or {})
   results = {"description": description, "config": config, "common_overrides": common, "seeds": seeds,
              "target_accuracy": target, "git_commit": git_commit(), "jax_version": jax.__version__,
              "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -182,7 +269,7 @@ def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str
           warm_model = shared_warm_start(config, common, seed, root) or ""
         start = time.time()
         print(f"[{time.strftime('%H:%M:%S')}] {cell.name} seed {seed}", flush=True)
-        run_cell(config, {**common, **cell.overrides}, seed, workdir, warm_model or None)
+        _run_on(servers, config, {**common, **cell.overrides}, seed, workdir, warm_model or None, root)
         entry["runs"][str(seed)] = {**summarise(workdir, target), "wall_time_s": time.time() - start,
                                     "git_commit": results["git_commit"]}
       else:

@@ -40,6 +40,16 @@ def test_a_tiny_grid_runs_resumes_and_aggregates(tmp_path, monkeypatch):
   assert sorted(os.listdir(tmp_path / "runs" / "_warm_start")) == ["seed0", "seed1"]
   log = (tmp_path / "runs" / "copc_k1" / "seed1" / "stdout.log").read_text()
   assert "_warm_start/seed1/model" in log and '"lag": 1' in log
+  # The servers stayed alive across all four runs (one training and one evaluation server, started
+  # once); no run started its own. On its own servers a run gets the same numbers (seeded sampling).
+  assert sorted(os.listdir(tmp_path / "runs" / "_servers")) == ["server_0.log", "server_1.log"]
+  assert not any((tmp_path / "runs" / cell / f"seed{s}" / "logs").exists()
+                 for cell in ("copc_k1", "async_ppo_k1") for s in (0, 1))
+  alone = study.run(cells[:1], [1], config="configs/default.py", root=str(tmp_path / "alone"),
+                    out=str(tmp_path / "alone.json"), common=TINY, target=0.0, share_servers=False)
+  assert (tmp_path / "alone" / "copc_k1" / "seed1" / "logs").exists()
+  for key in ("eval_curve", "series"):
+    assert alone["cells"]["copc_k1"]["runs"]["1"][key] == results["cells"]["copc_k1"]["runs"]["1"][key]
 
   def must_not_run(*args, **kwargs):
     raise AssertionError("a finished cell was run again")

@@ -57,13 +57,15 @@ class RolloutClient:
   def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:
     return collect(self.stream(token_ids, max_tokens, **sampling))
 
-  def update_weights(self, path: str, version: int) -> int:
-    return self._update({"path": path, "version": version}, timeout=self.timeout_s)["version"]
+  def update_weights(self, path: str, version: int, reset: bool = False) -> int:
+    """Serve `path` as `version`; `reset` starts a new sequence of versions (a new run)."""
+    body = {"path": path, "version": version, **({"reset": True} if reset else {})}
+    return self._update(body, timeout=self.timeout_s)["version"]
 
-  def update_weights_bytes(self, payload: bytes, version: int) -> int:
+  def update_weights_bytes(self, payload: bytes, version: int, reset: bool = False) -> int:
     chunks = (payload[i:i + CHUNK_BYTES] for i in range(0, max(len(payload), 1), CHUNK_BYTES))
-    return self._update_bytes(chunks, metadata=[("copc-version", str(version))],
-                              timeout=self.timeout_s)["version"]
+    metadata = [("copc-version", str(version))] + ([("copc-reset", "1")] if reset else [])
+    return self._update_bytes(chunks, metadata=metadata, timeout=self.timeout_s)["version"]
 
   def status(self, timeout_s: float | None = None) -> dict:
     return self._status({}, timeout=timeout_s or self.timeout_s)

@@ -79,11 +79,13 @@ class ParamStore:
   def version(self) -> int:
     return self.get()[1]
 
-  def update(self, params, version: int) -> None:
-    """Replace the weights; they must have the current structure, shapes and dtypes."""
+  def update(self, params, version: int, reset: bool = False) -> None:
+    """Replace the weights; they must have the current structure, shapes and dtypes. Versions
+    increase, except that `reset` starts a new sequence (a new run on a server kept alive)."""
     current, current_version = self.get()
-    if version <= current_version:
-      raise ValueError(f"version must increase: got {version}, serving {current_version}")
+    if version <= current_version and not reset:
+      raise ValueError(f"version must increase: got {version}, serving {current_version} "
+                       f"(a new run starts its versions with reset)")
     old_leaves, treedef = jax.tree.flatten(current)
     new_leaves = jax.tree.leaves(params)
     if len(new_leaves) != len(old_leaves):

@@ -10,8 +10,10 @@ start on a healthy server after the dead one is restarted (local servers only),
 so every request returns exactly one complete generation. A server that stops answering
 (paused, wedged) is found by the `HangDetector` within `stall_timeout_s + probe_timeout_s`:
 its requests are cancelled and resubmitted elsewhere, and it takes no requests until it answers
-again (then it first gets the latest weights). Servers given by `addresses` (e.g. on TPU VMs)
-are used as they are and never restarted.
+again (then it first gets the latest weights). Servers given by `addresses` (e.g. on TPU VMs, or
+kept alive across the runs of a study) are used as they are and never restarted; a pool's first push
+to a server starts a new sequence of versions there (versions increase within a run, and a new run
+starts at its own).
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ class _Server:
     self.hung = False
     self.restarts = 0
     self.hangs = 0
+    self.pushed = False          # has taken a push from this pool (before: its versions are another run's)
     self.lock = threading.Lock()
+
+  def push(self, path: str, version: int) -> None:
+    self.client.update_weights(path, version, reset=not self.pushed)
+    self.pushed = True
 
 
 class RolloutPool:
@@ -123,9 +130,9 @@ class RolloutPool:
       server.address = server.process.wait_ready(self.ready_timeout_s)
       server.client = RolloutClient(server.address)
       server.restarts += 1
+      server.pushed = False
       if self._latest_weights is not None:
-        path, version = self._latest_weights
-        server.client.update_weights(path, version)
+        server.push(*self._latest_weights)
       server.healthy = True
     with self._cond:
       self._cond.notify_all()
@@ -154,7 +161,7 @@ class RolloutPool:
       if self._detector.responds(server):
         try:
           if self._latest_weights is not None:
-            server.client.update_weights(*self._latest_weights)
+            server.push(*self._latest_weights)
         except grpc.RpcError:
           continue
         with self._cond:
@@ -203,7 +210,7 @@ class RolloutPool:
         self._on_hung(server)       # it gets these weights when it answers again
         return
       try:
-        server.client.update_weights(path, version)
+        server.push(path, version)
       except grpc.RpcError as err:
         if err.code() not in RETRYABLE:
           raise

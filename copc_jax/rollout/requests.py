@@ -140,9 +140,13 @@ def generate_request(body, limits: Limits) -> GenerateRequest:
       seed=None if seed is None else integer(seed, "seed", 0, SEED_LIMIT - 1))
 
 
-def update_weights_request(body) -> tuple[str, int]:
-  body = json_object(body, "UpdateWeights", ("path", "version"))
+def update_weights_request(body) -> tuple[str, int, bool]:
+  """(path, version, reset): `reset` starts a new sequence of versions (a new run on these servers)."""
+  body = json_object(body, "UpdateWeights", ("path", "version", "reset"))
   path = body.get("path")
   if not isinstance(path, str) or not path:
     raise RequestError(f"UpdateWeights: path must be a directory path (string); got {path!r}")
-  return path, integer(body.get("version"), "version", 0, 2**62)
+  reset = body.get("reset", False)
+  if not isinstance(reset, bool):
+    raise RequestError(f"UpdateWeights: reset must be true or false; got {reset!r}")
+  return path, integer(body.get("version"), "version", 0, 2**62), reset

@@ -10,8 +10,8 @@ Services on one gRPC server bound to 127.0.0.1 by default:
     Generate(stream):  {token_ids, max_tokens, temperature, top_p, top_k, stop_sequences, seed}
                        → stream of {token_ids, logprobs, versions, finish_reason}
                        (with a seed, the tokens depend only on the request and the weights)
-    UpdateWeights:     {path, version} → {version}   (a save_pretrained directory)
-    UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version) → {version}
+    UpdateWeights:     {path, version, reset?} → {version}   (a save_pretrained directory)
+    UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version, copc-reset?) → {version}
     Status:            {} → {version, slots_in_use, queue_length, max_concurrent_decodes, ...}
 
 Every request is checked before it reaches JetStream's threads, whose exceptions
@@ -133,29 +133,32 @@ class RolloutService:
 
   async def update_weights(self, request, context):
     try:
-      path, version = requests.update_weights_request(request)
+      path, version, reset = requests.update_weights_request(request)
+      if version == self._engine.store.version and not reset:
+        return {"version": version}          # served already (a catch-up push after a pause): a no-op
       tensors = await asyncio.to_thread(hf_io.read_safetensors, path)
     except Exception as err:  # noqa: BLE001 - the path and the files in it are the client's
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeights: {err}")
-    return await self._swap(tensors, version, context, "UpdateWeights")
+    return await self._swap(tensors, version, context, "UpdateWeights", reset)
 
   async def update_weights_bytes(self, request_iterator, context):
     try:
       metadata = dict(context.invocation_metadata())
       version = requests.integer(int(metadata["copc-version"]), "copc-version", 0, 2**62)
+      reset = metadata.get("copc-reset", "0") == "1"
       payload = b"".join([chunk async for chunk in request_iterator])
       tensors = await asyncio.to_thread(load_safetensors_bytes, payload)
     except Exception as err:  # noqa: BLE001 - the metadata and bytes are the client's
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeightsBytes: {err}")
-    return await self._swap(tensors, version, context, "UpdateWeightsBytes")
+    return await self._swap(tensors, version, context, "UpdateWeightsBytes", reset)
 
-  async def _swap(self, tensors, version: int, context, method: str):
+  async def _swap(self, tensors, version: int, context, method: str, reset: bool = False):
     """Load `tensors` as `version`: tensors that do not fit the model are the client's error
     (INVALID_ARGUMENT), anything else failing is the server's own (INTERNAL)."""
     def build_and_swap():
       model = self._engine.model_like()
       hf_io.load_weights(model, tensors)
-      self._engine.store.update(self._engine.params_of(model), version)
+      self._engine.store.update(self._engine.params_of(model), version, reset)
     try:
       async with self._update_lock:
         await asyncio.to_thread(build_and_swap)

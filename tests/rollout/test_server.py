@@ -129,6 +129,8 @@ def test_raw_bodies_that_are_not_json_objects_are_invalid_arguments(server):
           call(body)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (body[:20], err.value.details())
         assert message in err.value.details() or "UpdateWeights" in err.value.details()
+    with pytest.raises(grpc.RpcError, match="reset must be true or false; got 1"):
+      update(b'{"path": "x", "version": 1, "reset": 1}', timeout=30)
   assert process.alive()
   assert len(client.generate([1, 2, 3], max_tokens=5, top_k=1).token_ids) > 0
 
@@ -233,6 +235,12 @@ def test_weight_pushes_between_requests_swap_without_recompiling(checkpoint, tmp
                                       hf_io.read_safetensors(str(tmp_path / "v1")).items()})
     assert client.update_weights_bytes(payload, version=2) == 2
     assert set(client.generate(prompt, max_tokens=3).versions) == {2}
+    with pytest.raises(grpc.RpcError, match="version must increase: got 1, serving 2"):
+      client.update_weights(str(tmp_path / "v1"), version=1)
+    assert client.update_weights(str(tmp_path / "v1"), version=2) == 2       # served already: a no-op
+    assert client.update_weights(str(tmp_path / "v1"), version=0, reset=True) == 0   # a new run's first
+    assert set(client.generate(prompt, max_tokens=3).versions) == {0}
+    assert client.status()["compilations"] == compilations_before
   finally:
     client.close()
     process.stop()
