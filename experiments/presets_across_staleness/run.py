@@ -21,6 +21,16 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import study  # noqa: E402
 
+from copc_jax import presets  # noqa: E402
+
+INF = float("inf")
+# Candidate COPC settings (config overrides of the `copc` preset), run with `--presets NAME`:
+# the joint sweep's best RL cell at k = 16 (no token mask, no ρ clip, traces truncated at 1), and
+# that plus the exact-MDP toy's best advantage form (λ = 0.8, `vtrace_pg`).
+_NOMASK = {"preset": "copc", "actor.mask_range": (0.0, INF), "estimator.rho_clip": (0.0, INF),
+           "estimator.trace_clip": (0.0, 1.0)}
+CANDIDATES = {"copc_nomask": _NOMASK, "copc_nomask_vtrace_pg": {**_NOMASK, "estimator.lam": 0.8,
+                                                                 "estimator.advantage_form": "vtrace_pg"}}
 DEFAULT = dict(presets=("async_ppo", "decoupled_ppo", "copc"), lags=(4, 16), seeds=(0, 1, 2), steps=80)
 FULL = dict(presets=("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace", "copc"), lags=(4, 16, 64),
             seeds=(0, 1, 2), steps=300)
@@ -28,7 +38,8 @@ FULL = dict(presets=("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace", "c
 
 def cells(presets, lags) -> list[study.Cell]:
   grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync"})]
-  grid += [study.Cell(f"{preset}_k{lag}", {"preset": preset, "trainer.mode": "lag", "trainer.lag": lag})
+  grid += [study.Cell(f"{preset}_k{lag}", {**CANDIDATES.get(preset, {"preset": preset}), "trainer.mode": "lag",
+                                           "trainer.lag": lag})
            for lag in lags for preset in presets]
   return grid
 
@@ -52,13 +63,17 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--full", action="store_true")
   parser.add_argument("--render", action="store_true", help="only render results.json")
-  parser.add_argument("--presets", nargs="+", help="extend the grid with these presets ...")
+  parser.add_argument("--presets", nargs="+", help="extend the grid with these presets (or CANDIDATES) ...")
   parser.add_argument("--lags", type=int, nargs="+", help="... at these lags (default: the grid's)")
   parser.add_argument("--cells", nargs="+", help="run only these cells of the grid (e.g. copc_k64)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_presets_across_staleness"))
   args = parser.parse_args()
   grid = FULL if args.full else DEFAULT
   grid_cells = cells(grid["presets"], grid["lags"])
+  unknown = set(args.presets or ()) - set(presets.PRESETS) - set(CANDIDATES)
+  if unknown:
+    allowed = sorted(presets.PRESETS) + sorted(CANDIDATES)
+    parser.error(f"--presets: {sorted(unknown)} unknown; allowed: {allowed}")
   if args.presets:                    # an extension of the same study: same seeds and updates
     grid_cells += [c for c in cells(args.presets, args.lags or grid["lags"]) if c not in grid_cells]
   if args.cells:
