@@ -30,11 +30,12 @@ METHODS = (("sync PPO", "sync_ppo", "sync"), ("async PPO", "async_ppo", "async")
            ("async COPC", "copc", "async"))
 
 
-def with_latency(tool, median_s: float, seed: int):
+def with_latency(tool, median_s: float, seed: int, sigma: float = 1.0):
+  """`tool` plus a log-normal delay (median `median_s`; sigma 1: a long tail, p99 ≈ 10× the median)."""
   rng = random.Random(seed)
 
   def slow_tool(turn_text):
-    time.sleep(median_s * rng.lognormvariate(0.0, 1.0))     # long tail: p99 ≈ 10× the median
+    time.sleep(median_s * rng.lognormvariate(0.0, sigma))
     return tool(turn_text)
   return slow_tool
 
@@ -47,18 +48,19 @@ def warm_start_of(warm_dir: str) -> str:
                             config.warm_start, seed=config.seed)
 
 
-def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s):
+def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s, sigma=1.0):
   raw = default.get_config(preset)
   raw.trainer.update(dict(mode=mode, steps=steps, eval_every=0, checkpoint_every=steps, progress_bar=False))
   os.makedirs(workdir)
   shutil.copytree(os.path.join(warm_dir, "base"), os.path.join(workdir, "base"))
   run = trainer.Trainer(config_lib.from_config_dict(raw), workdir, actor_checkpoint=warm_start_of(warm_dir))
   if tool_latency_s:
-    run.task.tool = with_latency(run.task.tool, tool_latency_s, seed=0)
+    run.task.tool = with_latency(run.task.tool, tool_latency_s, seed=0, sigma=sigma)
   run.run()
   rows = [r for r in metrics.read_metrics(workdir) if r["step"] > 3]
-  return {key: float(np.mean([r[key] for r in rows]))
-          for key in ("step_time_s", "rollout_wait_s", "train_s", "weight_sync_s", "staleness_mean")}
+  return {**{key: float(np.mean([r[key] for r in rows]))
+             for key in ("step_time_s", "rollout_wait_s", "train_s", "weight_sync_s", "staleness_mean")},
+          "step_times_s": [float(r["step_time_s"]) for r in rows]}
 
 
 def main():

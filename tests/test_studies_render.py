@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_staleness", "joint_sweep"]
+STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_staleness", "joint_sweep", "step_time"]
 
 
 def load(study):
@@ -70,3 +70,18 @@ def test_advantage_staleness_statistics():
                                 mask=[True] * 4 + [False] * 2 + [True] * 4)
   chosen = module.chosen_positions(trajectory, random.Random(0), extra=1)
   assert {0, 1, 6, 7} <= set(chosen) and len(chosen) == 5 and all(trajectory.mask[i] for i in chosen)
+
+
+def test_step_time_ratios_and_render(tmp_path):
+  module = load("step_time")
+  method = lambda t: {"step_time_s": t, "rollout_wait_s": t / 2, "train_s": 0.1, "weight_sync_s": 0.01,
+                      "staleness_mean": 1.0, "step_times_s": [t, t, 2 * t]}
+  regime = {"tool_latency_median_s": 0.5, "tool_latency_sigma": 1.0,
+            "methods": {"sync PPO": method(3.0), "async PPO": method(1.5), "async COPC": method(1.65)}}
+  assert module.ratios(regime) == pytest.approx({"async_ppo_speedup": 2.0, "copc_speedup": 3.0 / 1.65,
+                                                 "copc_overhead": 0.1})
+  results = {"steps": 20, "git_commit": "abc", "jax_version": "0", "machine": "x", "regimes": {"0.5 s": regime}}
+  (tmp_path / "README.md").write_text("<!-- results:begin -->\n<!-- results:end -->\n")
+  module.render(results, here=str(tmp_path))
+  text = (tmp_path / "README.md").read_text()
+  assert "| 0.5 s | 2.00× | 1.82× | +10.0% |" in text and (tmp_path / "speedup.png").exists()

@@ -1,0 +1,136 @@
+"""Study: step time of sync PPO, async PPO and async COPC across tool-latency regimes, in one run.
+
+  python experiments/step_time/run.py                 # 5 regimes × 3 methods × 20 updates, ~30 min here
+  python experiments/step_time/run.py --render        # table and figure from results.json
+
+Every method trains the default config's tiny model from one shared warm start against two local
+JetStream servers (`bench_step_time.run_method`); the step time is the mean over updates 4 … N
+(compilation excluded). A regime adds a log-normal delay to every tool call (median m, shape σ):
+none; m = 0.1, 0.5, 2 s with σ = 0.25 (a steady service); m = 0.5 s with σ = 1.0 (long-tailed: p99
+≈ 10 × m, the straggler that holds a synchronous batch back). Speedups are against sync PPO of the
+same regime; COPC's overhead is against async PPO of the same regime. Timings need a quiet machine:
+run nothing else alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import bench_step_time  # noqa: E402
+import study  # noqa: E402
+
+REGIMES = {"none": (0.0, 0.0), "0.1 s": (0.1, 0.25), "0.5 s": (0.5, 0.25), "2 s": (2.0, 0.25),
+           "0.5 s, long tail": (0.5, 1.0)}
+
+
+def measure(args, results: dict) -> dict:
+  import jax
+  root = tempfile.mkdtemp(prefix="copc_step_time_")
+  try:
+    warm_dir = os.path.join(root, "warm")
+    bench_step_time.warm_start_of(warm_dir)
+    for regime in args.regimes:
+      if regime in results.get("regimes", {}):
+        continue
+      median, sigma = REGIMES[regime]
+      print(f"regime {regime}", flush=True)
+      workdir = lambda preset, mode, regime=regime: os.path.join(root, f"{preset}_{mode}_{regime}")
+      methods = {name: bench_step_time.run_method(preset, mode, args.steps, warm_dir, workdir(preset, mode),
+                                                  median, sigma)
+                 for name, preset, mode in bench_step_time.METHODS}
+      results.setdefault("regimes", {})[regime] = {"tool_latency_median_s": median,
+                                                   "tool_latency_sigma": sigma, "methods": methods}
+      results.update({"description": __doc__.splitlines()[0], "steps": args.steps,
+                      "git_commit": study.git_commit(), **study.provenance(), "jax_version": jax.__version__})
+      study.write_json(args.out, results)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return results
+
+
+def ratios(regime: dict) -> dict:
+  m = regime["methods"]
+  sync, async_ppo, copc = (m[name]["step_time_s"] for name in ("sync PPO", "async PPO", "async COPC"))
+  return {"async_ppo_speedup": sync / async_ppo, "copc_speedup": sync / copc,
+          "copc_overhead": copc / async_ppo - 1}
+
+
+def render(results: dict, here: str = HERE) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = [r for r in REGIMES if r in results["regimes"]]
+  steps = results["steps"]
+  lines = [f"{steps} updates per method and regime (mean over updates 4 … {steps}); commit "
+           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.", "",
+           "| tool latency | method | step time (s) | p90 (s) | rollout wait (s) | train (s) | "
+           "weight sync (s) | staleness | speedup over sync |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for regime in names:
+    entry = results["regimes"][regime]
+    sync = entry["methods"]["sync PPO"]["step_time_s"]
+    for j, (method, r) in enumerate(entry["methods"].items()):
+      lines.append(f"| {regime if j == 0 else ''} | {method} | {r['step_time_s']:.2f} | "
+                   f"{np.percentile(r['step_times_s'], 90):.2f} | {r['rollout_wait_s']:.2f} | "
+                   f"{r['train_s']:.2f} | "
+                   f"{r['weight_sync_s']:.3f} | {r['staleness_mean']:.2f} | {sync / r['step_time_s']:.2f}× |")
+  lines += ["", "| tool latency | async PPO over sync | async COPC over sync | "
+            "COPC's overhead over async PPO |",
+            "|---|---:|---:|---:|"]
+  for regime in names:
+    r = ratios(results["regimes"][regime])
+    lines.append(f"| {regime} | {r['async_ppo_speedup']:.2f}× | {r['copc_speedup']:.2f}× | "
+                 f"{100 * r['copc_overhead']:+.1f}% |")
+  fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+  x = np.arange(len(names))
+  for offset, (key, label) in enumerate((("async_ppo_speedup", "async PPO"), ("copc_speedup", "async COPC"))):
+    axes[0].bar(x + 0.4 * offset - 0.2, [ratios(results["regimes"][n])[key] for n in names], 0.4, label=label)
+  axes[0].axhline(1.0, color="k", lw=0.8)
+  axes[0].set_title("speedup of the step over sync PPO")
+  axes[1].bar(x, [100 * ratios(results["regimes"][n])["copc_overhead"] for n in names], 0.5, color="C2")
+  axes[1].axhline(0.0, color="k", lw=0.8)
+  axes[1].set_title("COPC's step time over async PPO (%)")
+  for ax in axes:
+    ax.set_xticks(x, names, fontsize=8)
+    ax.set_xlabel("added tool latency (median)")
+    ax.grid(alpha=0.3, axis="y")
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(here, "speedup.png"), dpi=110)
+  plt.close(fig)
+  lines += ["", "![speedup over sync PPO and COPC's overhead](speedup.png)"]
+  study.write_between_markers(os.path.join(here, "README.md"), "results", "\n".join(lines))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
+  parser.add_argument("--render", action="store_true")
+  parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
+  args = parser.parse_args()
+  if args.steps < 5:
+    parser.error(f"--steps must be >= 5 (the first 3 updates compile); got {args.steps}")
+  results = {}
+  if os.path.exists(args.out):
+    with open(args.out) as f:
+      results = json.load(f)
+    if results.get("steps") != args.steps:
+      results = {}
+  if not args.render:
+    results = measure(args, results)
+  if os.path.abspath(args.out) == os.path.join(HERE, "results.json"):
+    render(results)
+
+
+if __name__ == "__main__":
+  main()
