@@ -181,7 +181,7 @@ def summarise(workdir: str, target: float) -> dict:
       "staleness_mean": mean_of("staleness_mean"), "reward_last_10": float(np.mean(
           [r["reward_mean"] for r in updates[-10:]])),
       "series": {key: [r.get(key) for r in updates] for key in ("reward_mean", "mask_fraction", "ess",
-                                                               "grad_norm", "staleness_mean")},
+                                                               "grad_norm", "staleness_mean", "entropy")},
   }
 
 

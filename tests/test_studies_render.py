@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_staleness", "joint_sweep", "step_time"]
+STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_staleness", "joint_sweep", "step_time",
+           "search_stability"]
 
 
 def load(study):
@@ -85,3 +86,28 @@ def test_step_time_ratios_and_render(tmp_path):
   module.render(results, here=str(tmp_path))
   text = (tmp_path / "README.md").read_text()
   assert "| 0.5 s | 2.00× | 1.82× | +10.0% |" in text and (tmp_path / "speedup.png").exists()
+
+
+def test_search_stability_cells_and_render(tmp_path):
+  import study
+
+  module = load("search_stability")
+  assert [c.name for c in module.cells(("copc",), (16, 64))] == ["copc_k16", "copc_k64"]
+  smoothed = module.smooth([1.0, None, 3.0], window=3)
+  assert smoothed.tolist() == pytest.approx([1.0, 2.0, 3.0])
+
+  def run(curve, seed):
+    rng = np.random.default_rng(seed)
+    series = {k: rng.random(50).tolist() for k in ("entropy", "grad_norm", "mask_fraction")}
+    return {"eval_curve": curve, "final_eval_accuracy": curve[-1][1], "auc": 0.5, "peak_to_final_drop": 0.1,
+            "updates_to_target": None, "mask_fraction_mean": 0.0, "ess_mean": 1.0, "staleness_mean": 16.0,
+            "reward_last_10": 0.5, "series": series}
+  runs = {"0": run([(0, 0.4), (25, 0.7), (50, 0.3)], 0), "1": run([(0, 0.4), (25, 0.6), (50, 0.65)], 1)}
+  results = {"cells": {"copc_k16": {"overrides": {"trainer.lag": 16}, "runs": runs,
+                                    "aggregate": study.aggregate(runs)}},
+             "seeds": [0, 1], "common_overrides": {"trainer.steps": 50}, "git_commit": "abc",
+             "jax_version": "0", "machine": "x", "target_accuracy": 0.6}
+  (tmp_path / "README.md").write_text("<!-- results:begin -->\n<!-- results:end -->\n")
+  module.render(results, here=str(tmp_path))
+  text = (tmp_path / "README.md").read_text()
+  assert "| copc_k16 | 2 |" in text and "1/2 (at 50)" in text and (tmp_path / "curves.png").exists()

@@ -94,7 +94,7 @@ def _take(batch: TrajectoryBatch, extra: dict, index):
 def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
   actor, critic, actor_opt, critic_opt = models
   logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
-  logp_prox, _ = token_logprobs_and_entropy(logits, batch.tokens, config.sampling)
+  logp_prox, entropy_prox = token_logprobs_and_entropy(logits, batch.tokens, config.sampling)
   old_values = state_values(critic, batch)
   logp_prox, old_values = jax.lax.stop_gradient((logp_prox, old_values))
   advantages, returns = estimators.coupled_advantages(
@@ -136,6 +136,8 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
   metrics["actor_update_norm"] = _global_norm(
       [after - before for after, before in zip(actor_params, actor_params_before, strict=True)])
   metrics["returns_mean"] = losses.aggregate(returns, batch.mask, "token_mean")
+  # Entropy of π_prox (the weights before this update) on the batch's policy tokens: a collapse sign.
+  metrics["entropy"] = losses.aggregate(entropy_prox, batch.mask, "token_mean")
   return metrics
 
 

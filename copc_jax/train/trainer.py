@@ -385,7 +385,7 @@ class Trainer:
         "critic_grad_norm": metrics["critic_grad_norm"], "actor_loss": metrics["actor_loss"],
         "ratio_mean": metrics["ratio_mean"], "ratio_max": metrics["ratio_max"],
         "ratio_min": metrics["ratio_min"], "advantage_std": metrics["advantage_std"],
-        "value_explained_variance": metrics["value_explained_variance"],
+        "value_explained_variance": metrics["value_explained_variance"], "entropy": metrics["entropy"],
         "nonfinite_count": metrics["nonfinite_count"],
     }
 

@@ -44,6 +44,18 @@ def test_every_preset_runs(preset):
   assert float(metrics["actor_update_norm"]) > 0
 
 
+def test_entropy_metric_is_the_mean_entropy_of_the_weights_before_the_update():
+  from copc_jax.sampling import token_logprobs_and_entropy
+
+  learner, batch = make_learner()
+  logits = learner.actor(batch.tokens, attention_mask_bt=batch.attention_mask)
+  _, entropy = token_logprobs_and_entropy(logits, batch.tokens, learner.config.sampling)
+  expected = np.asarray(entropy)[np.asarray(batch.mask)].mean()
+  metrics = learner.train_step(batch)
+  assert float(metrics["entropy"]) == pytest.approx(float(expected), rel=1e-5)
+  assert 0 < float(metrics["entropy"]) <= np.log(logits.shape[-1]) + 1e-5
+
+
 def test_non_finite_behaviour_logprobs_do_not_poison_the_parameters():
   learner, batch = make_learner("tis")
   behaviour = np.array(batch.behavior_logprobs)

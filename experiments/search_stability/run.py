@@ -1,0 +1,121 @@
+"""Study: stability of the asynchronous presets on knowledge search, over long lag-mode runs.
+
+  python experiments/search_stability/run.py                          # 5 presets × k ∈ {16, 64} × 2 seeds
+  python experiments/search_stability/run.py --cells copc_k16 vtrace_k16   # part of the grid
+  python experiments/search_stability/run.py --render                 # tables and figures from results.json
+
+The task (`configs/search.py` with `task.demo_max_hops = 1`): the warm start sees demonstrations of
+1-hop questions only, so 2-hop questions (two chained searches) are what RL can learn; held-out
+accuracy is measured on questions about entities no training question names. Each run is lag mode
+(every batch from the weights k updates old) for `--updates` updates; the learner's current weights
+are evaluated every 25 updates on a dedicated server.
+
+Collapse, stated before the runs: held-out accuracy more than 0.2 below its running maximum from some
+evaluation to the end of the run (`study.collapse_step`). A run that dips and recovers has not
+collapsed. Resumable: finished cells are read, not rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import study  # noqa: E402
+
+PRESETS = ("async_ppo", "decoupled_ppo", "icepop", "vtrace", "copc")
+LAGS = (16, 64)
+SEEDS = (0, 1)
+COMMON = {"task.demo_max_hops": 1, "trainer.eval_every": 25, "trainer.checkpoint_every": 25}
+SERIES = (("entropy", "policy entropy (nats/token)"), ("grad_norm", "actor gradient norm"),
+          ("mask_fraction", "mask fraction"))
+
+
+def cells(presets, lags) -> list[study.Cell]:
+  return [study.Cell(f"{preset}_k{lag}", {"preset": preset, "trainer.mode": "lag", "trainer.lag": lag})
+          for lag in lags for preset in presets]
+
+
+def smooth(values, window: int = 10) -> np.ndarray:
+  values = np.asarray([np.nan if v is None else v for v in values], float)
+  kernel = np.ones(window)
+  valid = np.isfinite(values)
+  total = np.convolve(np.where(valid, values, 0.0), kernel, "same")
+  count = np.convolve(valid.astype(float), kernel, "same")
+  return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def figure(results: dict, path: str) -> None:
+  """Per lag (rows): held-out accuracy, entropy, gradient norm, mask fraction; mean over seeds per preset."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()})
+  fig, axes = plt.subplots(len(lags), 4, figsize=(18, 3.4 * len(lags)), squeeze=False)
+  for row, lag in zip(axes, lags, strict=True):
+    for name, entry in results["cells"].items():
+      if entry["overrides"]["trainer.lag"] != lag or not entry["runs"]:
+        continue
+      runs = list(entry["runs"].values())
+      curves = [dict(map(tuple, r["eval_curve"])) for r in runs]
+      steps = sorted(set.intersection(*(set(c) for c in curves)))
+      row[0].plot(steps, np.mean([[c[s] for s in steps] for c in curves], 0), marker=".",
+                  label=f"{name} (n={len(runs)})")
+      for ax, (key, _) in zip(row[1:], SERIES, strict=True):
+        length = min(len(r["series"][key]) for r in runs)
+        ax.plot(np.arange(1, length + 1), np.nanmean([smooth(r["series"][key][:length]) for r in runs], 0),
+                label=name)
+    for ax, title in zip(row, ["held-out accuracy (greedy)"] + [t for _, t in SERIES], strict=True):
+      ax.set_title(f"k = {lag}: {title}", fontsize=9)
+      ax.set_xlabel("update")
+      ax.grid(alpha=0.3)
+    row[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def render(results: dict, here: str = HERE) -> None:
+  figure(results, os.path.join(here, "curves.png"))
+  text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
+          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
+          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.\n\n"
+          + study.table(results) + "\n\n![curves](curves.png)")
+  study.write_between_markers(os.path.join(here, "README.md"), "results", text)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--updates", type=int, default=300)
+  parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+  parser.add_argument("--cells", nargs="+", help="run only these cells (e.g. copc_k16)")
+  parser.add_argument("--render", action="store_true")
+  parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_search_stability"))
+  parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
+  args = parser.parse_args()
+  grid = cells(PRESETS, LAGS)
+  if args.cells:
+    unknown = set(args.cells) - {c.name for c in grid}
+    if unknown:
+      parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid]}")
+    grid = [c for c in grid if c.name in args.cells]
+  if args.render:
+    with open(args.out) as f:
+      render(json.load(f))
+    return
+  results = study.run(grid, args.seeds, config="configs/search.py", root=args.root, out=args.out,
+                      common={**COMMON, "trainer.steps": args.updates}, target=0.6,
+                      description="stability on knowledge search: lag mode, held-out accuracy of the learner")
+  if os.path.abspath(args.out) == os.path.join(HERE, "results.json"):
+    render(results)
+
+
+if __name__ == "__main__":
+  main()
