@@ -23,7 +23,8 @@ def load(study):
 
 
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
-                         + [("presets_across_staleness", "results_full"), ("joint_sweep", "exact")])
+                         + [("presets_across_staleness", "results_full"), ("joint_sweep", "exact"),
+                            ("joint_sweep", "policy_side")])
 def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)
   if not os.path.exists(os.path.join(directory, f"{name}.json")):
@@ -38,7 +39,7 @@ def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   assert list(tmp_path.glob("*.png"))
 
 
-def test_joint_sweep_broad_region_and_cells():
+def test_joint_sweep_broad_region_and_cells(tmp_path):
   module = load("joint_sweep")
   grid = [[0.10, 0.12, 0.50], [0.15, 0.30, 0.90]]
   assert module.broad_region(grid, higher_is_better=False, margin=0.05) == pytest.approx(3 / 6)
@@ -49,6 +50,23 @@ def test_joint_sweep_broad_region_and_cells():
   assert module.copc_cell(2.0, 3.0, "zero_one").estimator.trace_clip == (0.0, 1.0)
   cells = module.rl_cells((1.5, module.INF))
   assert [c.name for c in cells] == ["h1.5_rho1.5", "h1.5_rho∞", "h∞_rho1.5", "h∞_rho∞"]
+  cells = module.policy_cells((2.0, module.INF), (0.8, 1.0))
+  assert [c.name for c in cells] == ["cap2_lam0.8", "cap2_lam1", "cap∞_lam0.8", "cap∞_lam1"]
+  assert cells[1].overrides == {"preset": "decoupled_ppo", "actor.weight_cap": 2.0, "estimator.lam": 1.0}
+  assert [module.output_name(False, 16, False), module.output_name(True, 64, False),
+          module.output_name(False, 16, True)] == ["results", "results_full_k64", "policy_side"]
+  import study
+  run = lambda a: {"0": {"eval_curve": [(0, 0.5), (80, a)], "final_eval_accuracy": a, "auc": a,
+                         "peak_to_final_drop": 0, "updates_to_target": None, "mask_fraction_mean": 0,
+                         "ess_mean": 1, "staleness_mean": 16, "reward_last_10": a}}
+  results = {"cells": {c.name: {"overrides": {**c.overrides, "trainer.lag": 16}, "runs": run(0.5 + 0.1 * i),
+                                "aggregate": study.aggregate(run(0.5 + 0.1 * i))} for i, c in enumerate(cells)},
+             "seeds": [0], "common_overrides": {"trainer.steps": 80, "trainer.lag": 16}, "git_commit": "abc",
+             "jax_version": "0", "machine": "x", "target_accuracy": 0.8}
+  (tmp_path / "README.md").write_text("<!-- policy_side:begin -->\n<!-- policy_side:end -->\n")
+  module.render(results, here=str(tmp_path), name="policy_side")
+  text = (tmp_path / "README.md").read_text()
+  assert "cells within 0.03 of the best: 25%" in text and (tmp_path / "rl_heatmaps_policy_side.png").exists()
 
 
 def test_advantage_staleness_statistics():

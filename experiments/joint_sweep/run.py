@@ -2,8 +2,12 @@
 
   python experiments/joint_sweep/run.py --exact     # the exact tree MDP, 6 × 6 (and a policy-side grid)
   python experiments/joint_sweep/run.py             # RL, lag k = 16: 3 × 3 cells × 2 seeds, 80 updates
-  python experiments/joint_sweep/run.py --full      # RL, k ∈ {16, 64}: 6 × 6 × 3 seeds, 300 updates
+  python experiments/joint_sweep/run.py --full      # RL: 6 × 6 × 3 seeds, 300 updates (--lag 64 too)
+  python experiments/joint_sweep/run.py --policy_side   # RL, the policy-side grid: w_max × λ, 3 × 3 × 2
   python experiments/joint_sweep/run.py --render    # tables and heatmaps from the JSON files
+
+RL results go to `results.json` (COPC grid) or `policy_side.json`, with `_full` for `--full` and
+`_k<lag>` for a lag other than 16.
 
 A cell (h, ρ̄) is COPC with the token mask 1[1/h ≤ r ≤ h] and the advantage channel's clips
 ρ ∈ [1/ρ̄, ρ̄], traces c ∈ [1/ρ̄, min(ρ̄, 1)] (the exact part also with traces (0, 1)); ∞ is "no
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -107,6 +112,20 @@ def run_exact(out: str) -> dict:
   return results
 
 
+RL_LAMBDAS = (0.8, 0.95, 1.0)
+
+
+def policy_cells(caps, lambdas) -> list[study.Cell]:
+  return [study.Cell(f"cap{label(cap)}_lam{lam:g}",
+                     {"preset": "decoupled_ppo", "actor.weight_cap": cap, "estimator.lam": lam})
+          for cap in caps for lam in lambdas]
+
+
+def output_name(full: bool, lag: int, policy_side: bool) -> str:
+  return (("policy_side" if policy_side else "results") + ("_full" if full else "")
+          + ("" if lag == 16 else f"_k{lag}"))
+
+
 def rl_cells(values) -> list[study.Cell]:
   return [study.Cell(f"h{label(h)}_rho{label(r)}",
                      {"preset": "copc", "actor.mask_range": (1 / h, h), "estimator.rho_clip": (1 / r, r),
@@ -167,23 +186,28 @@ def render_rl(results: dict, here: str = HERE, name: str = "results") -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   cells = results["cells"]
-  values = sorted({c["overrides"]["actor.mask_range"][1] for c in cells.values()})
-  mean = np.full((len(values), len(values)), np.nan)
+  policy_side = any("actor.weight_cap" in c["overrides"] for c in cells.values())
+  row_of = (lambda o: o["actor.weight_cap"]) if policy_side else (lambda o: o["actor.mask_range"][1])
+  column_of = (lambda o: o["estimator.lam"]) if policy_side else (lambda o: o["estimator.rho_clip"][1])
+  rows = sorted({row_of(c["overrides"]) for c in cells.values()})
+  columns = sorted({column_of(c["overrides"]) for c in cells.values()})
+  mean = np.full((len(rows), len(columns)), np.nan)
   std = np.full_like(mean, np.nan)
   for cell in cells.values():
-    i = values.index(cell["overrides"]["actor.mask_range"][1])
-    j = values.index(cell["overrides"]["estimator.rho_clip"][1])
+    i, j = rows.index(row_of(cell["overrides"])), columns.index(column_of(cell["overrides"]))
     stat = cell.get("aggregate", {}).get("final_eval_accuracy")
     if stat:
       mean[i, j], std[i, j] = stat["mean"], stat["std"]
   fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-  heatmap(axes[0], mean.tolist(), values, values, "final held-out accuracy (mean)", fmt="{:.3f}")
-  heatmap(axes[1], std.tolist(), values, values, "seed std", fmt="{:.3f}", cmap="magma")
+  heatmap(axes[0], mean.tolist(), rows, columns, "final held-out accuracy (mean)", fmt="{:.3f}")
+  heatmap(axes[1], std.tolist(), rows, columns, "seed std", fmt="{:.3f}", cmap="magma")
   for ax in axes:
-    ax.set_xlabel("advantage clip ρ̄")
-    ax.set_ylabel("mask half-width h")
+    ax.set_xlabel("GAE λ" if policy_side else "advantage clip ρ̄")
+    ax.set_ylabel("weight cap w_max (decoupled PPO)" if policy_side else "mask half-width h")
   fig.tight_layout()
-  figure = f"rl_heatmaps{'' if name == 'results' else '_' + name.removeprefix('results_')}.png"
+  figure = ("rl_heatmaps.png" if name == "results"
+            else f"rl_heatmaps_{name.removeprefix('results_')}.png" if name.startswith("results_")
+            else f"rl_heatmaps_{name}.png")
   fig.savefig(os.path.join(here, figure), dpi=110)
   plt.close(fig)
   finished = mean[np.isfinite(mean)]
@@ -211,25 +235,27 @@ def main():
   parser.add_argument("--full", action="store_true")
   parser.add_argument("--render", action="store_true", help="only render the JSON files")
   parser.add_argument("--lag", type=int, default=16)
+  parser.add_argument("--policy_side", action="store_true", help="decoupled PPO's w_max × λ grid (RL)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_joint_sweep"))
   args = parser.parse_args()
   if args.render:
-    for name in ("exact", "results", "results_full"):
-      path = os.path.join(HERE, f"{name}.json")
-      if os.path.exists(path):
-        with open(path) as f:
-          render(json.load(f), name=name)
+    for path in sorted(glob.glob(os.path.join(HERE, "*.json"))):
+      with open(path) as f:
+        render(json.load(f), name=os.path.basename(path).removesuffix(".json"))
     return
   if args.exact:
     render(run_exact(os.path.join(HERE, "exact.json")), name="exact")
     return
   values, seeds, steps = (FULL_VALUES, (0, 1, 2), 300) if args.full else (DEFAULT_VALUES, (0, 1), 80)
-  name = "results_full" if args.full else "results"
-  results = study.run(rl_cells(values), list(seeds), config="configs/default.py",
+  name = output_name(args.full, args.lag, args.policy_side)
+  grid = policy_cells(values, LAMBDAS if args.full else RL_LAMBDAS) if args.policy_side else rl_cells(values)
+  results = study.run(grid, list(seeds), config="configs/default.py",
                       root=os.path.join(args.root, f"k{args.lag}"), out=os.path.join(HERE, f"{name}.json"),
                       common={"trainer.steps": steps, "trainer.mode": "lag", "trainer.lag": args.lag,
                               "trainer.eval_every": 20, "trainer.checkpoint_every": 20},
-                      description=f"joint sweep of mask half-width × advantage clip, COPC, lag {args.lag}")
+                      description=(f"policy-side grid: decoupled PPO's w_max × GAE λ, lag {args.lag}"
+                                   if args.policy_side else
+                                   f"joint sweep of mask half-width × advantage clip, COPC, lag {args.lag}"))
   render(results, name=name)
 
 
