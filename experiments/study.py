@@ -98,7 +98,8 @@ def shared_warm_start(config: str, common: dict, seed: int, root: str) -> str | 
     return None
   directory = os.path.join(root, "_warm_start", f"seed{seed}")
   base = trainer.base_checkpoint(typed, directory)
-  return warm_start.prepare(make_task(typed.task, seed), base, directory, typed.warm_start, seed=seed)
+  return warm_start.prepare(make_task(typed.task, seed), base, directory, typed.warm_start, seed=seed,
+                            tokenizer_dir=trainer.tokenizer_dir(typed, base))
 
 
 class SharedServers:
@@ -112,7 +113,8 @@ class SharedServers:
 
   @staticmethod
   def settings(rollout) -> tuple:
-    return rollout.num_servers, rollout.slots, rollout.max_prefill_length, rollout.max_length
+    return (rollout.num_servers, rollout.slots, rollout.max_prefill_length, rollout.max_length,
+            rollout.server_platform)
 
   def fits(self, rollout) -> bool:
     return not rollout.addresses and self.settings(rollout) == self.settings(self.rollout)
@@ -131,7 +133,7 @@ class SharedServers:
         self.processes[i].stop()
       os.makedirs(self.log_dir, exist_ok=True)
       self.processes[i] = ServerProcess(self.checkpoint, slots=c.slots, max_prefill_length=c.max_prefill_length,
-                                        max_length=c.max_length, seed=i, version=-1,
+                                        max_length=c.max_length, seed=i, version=-1, platform=c.server_platform,
                                         log_path=os.path.join(self.log_dir, f"server_{i}.log"))
       self.starts += 1
     for i in dead:

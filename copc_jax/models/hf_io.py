@@ -89,8 +89,30 @@ def load_weights(model: Decoder, tensors: dict[str, jax.Array]) -> None:
   nnx.update(model, state)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class MissingTokenizer(FileNotFoundError):
+  """A tokenizer is needed and the directory has none."""
+
+
+def has_tokenizer(path: str) -> bool:
+  """Whether `path` holds tokenizer files (model-only checkpoints, e.g. critics, have none)."""
+  return any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str, needed_for: str):
+  """The tokenizer of `path`; one clear error if it has none."""
+  if not has_tokenizer(path):
+    raise MissingTokenizer(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); {needed_for} "
+                           f"needs one: set config.model.tokenizer to a directory that has it (e.g. the base "
+                           f"model's)")
+  return _load_tokenizer(path)
+
+
 def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_tokenizer: bool = True):
-  """A `Decoder` with the checkpoint's weights, and its tokenizer (or None)."""
+  """A `Decoder` with the checkpoint's weights, and its tokenizer: None where `load_tokenizer` is
+  False or the directory has no tokenizer files (a model-only checkpoint)."""
   import transformers
 
   if not os.path.isdir(path):
@@ -104,7 +126,7 @@ def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_t
   # Materialise zero buffers for every variable, then fill them from the checkpoint.
   nnx.update(model, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state))
   load_weights(model, read_safetensors(path))
-  return model, _load_tokenizer(path) if load_tokenizer else None
+  return model, _load_tokenizer(path) if load_tokenizer and has_tokenizer(path) else None
 
 
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

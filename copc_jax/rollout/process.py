@@ -12,11 +12,23 @@ import time
 from copc_jax.rollout.client import RolloutClient
 
 
+def server_environment(platform: str) -> dict:
+  """The server's environment: `platform` pins JAX to it ("cpu": no XLA flags of the parent, such as
+  fake devices, either); "" keeps the parent's JAX_PLATFORMS (a TPU VM's chips, a GPU)."""
+  env = dict(os.environ)
+  if platform:
+    env["JAX_PLATFORMS"] = platform
+  if platform == "cpu":
+    env["XLA_FLAGS"] = ""
+  return env
+
+
 class ServerProcess:
   """One `python -m copc_jax.rollout.serve` subprocess; `address` once ready."""
 
   def __init__(self, checkpoint: str, *, slots: int = 4, max_prefill_length: int = 64,
-               max_length: int = 256, seed: int = 0, version: int = 0, log_path: str | None = None):
+               max_length: int = 256, seed: int = 0, version: int = 0, log_path: str | None = None,
+               platform: str = "cpu"):
     self._ready_dir = tempfile.TemporaryDirectory(prefix="copc_server_")
     self._ready_file = os.path.join(self._ready_dir.name, "port")
     self.log_path = log_path or os.path.join(self._ready_dir.name, "server.log")
@@ -24,9 +36,9 @@ class ServerProcess:
                f"--slots={slots}", f"--max_prefill_length={max_prefill_length}",
                f"--max_length={max_length}", f"--seed={seed}", f"--version={version}",
                f"--ready_file={self._ready_file}", "--exit_with_parent"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     self._log = open(self.log_path, "a")
-    self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+    self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                    env=server_environment(platform),
                                     start_new_session=True)
     self.address: str | None = None
 

@@ -3,11 +3,11 @@
   python -m copc_jax.rollout.serve --checkpoint=DIR --port=PORT [--slots=4 --max_prefill_length=64 ...]
 
 Binds 127.0.0.1 unless --host says otherwise. --port=0 picks a free port; with
---ready_file the bound port is written there once the server accepts requests.
+--ready_file the bound port is written there once the server accepts requests. The JAX platform
+is the environment's (`JAX_PLATFORMS`: a TPU VM's chips, a GPU, or the CPU).
 """
 
 import asyncio
-import os
 
 from absl import app, flags, logging
 
@@ -20,6 +20,8 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 flags.DEFINE_integer("slots", 4, "Concurrent generations (JetStream's max_concurrent_decodes).")
 flags.DEFINE_integer("max_prefill_length", 64, "Prompt bucket: one of 16, 32, 64, ..., 32768.")
 flags.DEFINE_integer("max_length", 256, "Prompt + generated tokens per slot.")
+flags.DEFINE_string("tokenizer", None, "Directory with tokenizer files (default: the checkpoint's, if it has "
+                    "them). Without one only token-id requests work; text prompts are refused.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("version", 0, "Version of the initial weights.")
 flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
@@ -33,12 +35,16 @@ def main(argv):
   del argv
   if FLAGS.exit_with_parent:
     parent_watchdog.exit_when_orphaned()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from copc_jax.models import hf_io
   from copc_jax.rollout.engine import CopcEngine
   from copc_jax.rollout.server import serve
 
-  model, tokenizer = hf_io.from_pretrained(FLAGS.checkpoint)
+  model, tokenizer = hf_io.from_pretrained(FLAGS.checkpoint, load_tokenizer=not FLAGS.tokenizer)
+  if FLAGS.tokenizer:
+    tokenizer = hf_io.load_tokenizer(FLAGS.tokenizer, needed_for="--tokenizer")
+  if tokenizer is None:
+    logging.warning("%s has no tokenizer (give --tokenizer): text prompts of the stock Decode API are "
+                    "refused; token-id prompts work", FLAGS.checkpoint)
   engine = CopcEngine(model, max_concurrent_decodes=FLAGS.slots,
                       max_prefill_length=FLAGS.max_prefill_length, max_length=FLAGS.max_length,
                       tokenizer=tokenizer, seed=FLAGS.seed, version=FLAGS.version)

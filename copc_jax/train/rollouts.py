@@ -23,12 +23,15 @@ from copc_jax.rollout.agent import GenerateFn, Trajectory, continue_episode, req
 from copc_jax.sampling import SamplingParams
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
+SERVER_PLATFORMS = ("cpu", "tpu", "cuda", "rocm", "")
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
   num_servers: int = 2                  # local JetStream servers started as subprocesses
   addresses: tuple[str, ...] = ()       # or remote servers (host:port); then num_servers is ignored
   eval_addresses: tuple[str, ...] = ()  # lag mode with remote servers: a server for evaluations
+  server_platform: str = "cpu"          # JAX platform of the local servers ("" = this environment's)
   slots: int = 8                        # concurrent generations per server
   max_prefill_length: int = 64          # prompt bucket (every turn's context must fit)
   max_length: int = 128                 # context + generated tokens
@@ -45,6 +48,8 @@ class RolloutConfig:
   lost_timeout_s: float = 120.0         # a generation silent this long on a server that answers: resubmitted
 
   def __post_init__(self):
+    if self.server_platform not in SERVER_PLATFORMS:
+      raise ValueError(f"server_platform must be one of {SERVER_PLATFORMS}; got {self.server_platform!r}")
     if not self.addresses and self.num_servers < 1:
       raise ValueError(f"num_servers must be >= 1 (or give addresses); got {self.num_servers}")
     for name in ("slots", "max_in_flight", "max_turns", "max_tokens_per_turn"):

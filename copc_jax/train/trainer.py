@@ -62,6 +62,7 @@ MUST_BE_FINITE = ("actor_loss", "value_loss", "grad_norm", "critic_grad_norm")
 class ModelSource:
   checkpoint: str = "tiny"      # a Hugging Face directory (config.json + safetensors), or "tiny"
   tiny_arch: str = "qwen2"      # for "tiny": built in the workdir from the seed
+  tokenizer: str = ""           # a directory with tokenizer files; "" = the checkpoint's own
 
   def __post_init__(self):
     if self.tiny_arch not in ("qwen2", "llama"):
@@ -148,6 +149,13 @@ def _sigterm_as_keyboard_interrupt():
     signal.signal(signal.SIGTERM, previous)
 
 
+def tokenizer_dir(config, *checkpoints: str) -> str:
+  """`config.model.tokenizer`, else the first of `checkpoints` that has tokenizer files (else the first)."""
+  if config.model.tokenizer:
+    return config.model.tokenizer
+  return next((c for c in checkpoints if hf_io.has_tokenizer(c)), checkpoints[0])
+
+
 def base_checkpoint(config, workdir: str) -> str:
   """The model RL starts from: `config.model.checkpoint`, or a tiny one built in the workdir."""
   source = config.model.checkpoint
@@ -184,7 +192,10 @@ class Trainer:
                        f"{self.processes} learner processes")
     self.local_batch_size = self.cfg.batch_size // self.processes
     self.base_checkpoint = base_checkpoint(config, self.workdir)
-    actor, self.tokenizer = hf_io.from_pretrained(actor_checkpoint or self.base_checkpoint)
+    actor, _ = hf_io.from_pretrained(actor_checkpoint or self.base_checkpoint, load_tokenizer=False)
+    self.tokenizer = hf_io.load_tokenizer(
+        tokenizer_dir(config, *filter(None, (actor_checkpoint, self.base_checkpoint))),
+        needed_for="the trainer (prompts, tool outputs and answers are text)")
     critic = ValueModel.from_policy(actor, rngs=nnx.Rngs(config.seed + 1))
     self.learner = Learner(actor, critic, self._learner_config(), mesh=self._mesh(),
                            rules=config.sharding.rules, seed=config.seed)
@@ -247,7 +258,7 @@ class Trainer:
       # owns is pushed before anything is generated with it.
       return RolloutPool(self.base_checkpoint, num_servers=count, max_in_flight=c.max_in_flight,
                          slots=c.slots, max_prefill_length=c.max_prefill_length, max_length=c.max_length,
-                         ready_timeout_s=c.ready_timeout_s, **health,
+                         platform=c.server_platform, ready_timeout_s=c.ready_timeout_s, **health,
                          log_dir=os.path.join(self.workdir, "logs", "eval" if evaluation else ""),
                          version=-1)
     except (TimeoutError, RuntimeError) as err:
@@ -485,9 +496,10 @@ def train_and_evaluate(config, workdir: str, *, backend_factory=None, fresh_star
     task = make_task(config.task, config.seed)
     actor_checkpoint = None
     if config.warm_start.steps:
-      actor_checkpoint = warm_start.prepare(task, base_checkpoint(config, workdir),
-                                            os.path.join(workdir, "warm_start"), config.warm_start,
-                                            seed=config.seed, log=_say)
+      base = base_checkpoint(config, workdir)
+      actor_checkpoint = warm_start.prepare(task, base, os.path.join(workdir, "warm_start"), config.warm_start,
+                                            seed=config.seed, log=_say,
+                                            tokenizer_dir=tokenizer_dir(config, base))
     return Trainer(config, workdir, actor_checkpoint=actor_checkpoint, task=task,
                    backend_factory=backend_factory).run()
 

@@ -130,8 +130,9 @@ def train_on_demonstrations(actor, tokenizer, demonstrations: list[dict], config
 
 
 def prepare(task, base_checkpoint: str, directory: str, config: WarmStartConfig, *, seed: int = 0,
-            log=print) -> str:
+            log=print, tokenizer_dir: str | None = None) -> str:
   """The base model warm-started on `task`'s training demonstrations; returns its directory.
+  `tokenizer_dir`: where the tokenizer is (default: the base checkpoint).
 
   Cached: `directory/model` (a `save_pretrained` directory with the tokenizer) and
   `directory/demonstrations.jsonl` are written once and reused, so many runs
@@ -148,7 +149,8 @@ def prepare(task, base_checkpoint: str, directory: str, config: WarmStartConfig,
       checkpoint.write_atomically(demos_path, lambda tmp: _write_jsonl(tmp, demos))
     with open(demos_path) as f:
       demos = [json.loads(line) for line in f]
-    actor, tokenizer = hf_io.from_pretrained(base_checkpoint)
+    actor, _ = hf_io.from_pretrained(base_checkpoint, load_tokenizer=False)
+    tokenizer = hf_io.load_tokenizer(tokenizer_dir or base_checkpoint, needed_for="the warm start")
     start = time.time()
     losses = train_on_demonstrations(actor, tokenizer, demos, config, seed=seed, log=log,
                                      tool_output=task.tool_output)

@@ -1,5 +1,7 @@
 """Parity with `transformers`' PyTorch models on tiny random checkpoints (CPU torch)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -114,3 +116,28 @@ def test_logits_match_pytorch_on_8_devices(tmp_path):
   logits = nnx.jit(lambda m, x: m(x))(
       model, jax.device_put(ids, sharding.batch_sharding(mesh, sharding.DEFAULT_RULES)))
   np.testing.assert_allclose(np.asarray(logits), torch_logits(reference, ids), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_model_only_checkpoint_loads_without_a_tokenizer(tmp_path, arch):
+  """Critics and intermediate checkpoints have config and weights only: the model loads, the tokenizer
+  is None (before: Llama asked for sentencepiece, Qwen2 got an empty tokenizer), and where one is
+  needed the error names the directory and config.model.tokenizer."""
+  from configs import default
+  from copc_jax import config as config_lib
+  from copc_jax.train import trainer
+
+  write_torch_checkpoint(tmp_path / "full", arch)
+  model, _ = hf_io.from_pretrained(str(tmp_path / "full"), load_tokenizer=False)
+  hf_io.save_pretrained(model, str(tmp_path / "model_only"))
+  assert not hf_io.has_tokenizer(str(tmp_path / "model_only")) and hf_io.has_tokenizer(str(tmp_path / "full"))
+  loaded, tokenizer = hf_io.from_pretrained(str(tmp_path / "model_only"))
+  assert tokenizer is None and loaded.config == model.config
+  with pytest.raises(hf_io.MissingTokenizer, match=r"model_only has no tokenizer .* the trainer needs one: set "
+                                                   r"config.model.tokenizer"):
+    hf_io.load_tokenizer(str(tmp_path / "model_only"), needed_for="the trainer")
+  config = config_lib.from_config_dict(default.get_config())
+  paths = str(tmp_path / "model_only"), str(tmp_path / "full")
+  assert trainer.tokenizer_dir(config, *paths) == paths[1]        # the first that has one
+  named = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer="/tok"))
+  assert trainer.tokenizer_dir(named, *paths) == "/tok"

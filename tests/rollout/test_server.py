@@ -302,3 +302,15 @@ def test_a_seeded_request_gets_the_same_tokens_whatever_the_slot_and_traffic(ser
     crowd = list(executor.map(lambda s: client.generate(**{**request, "seed": s}), [3, 7, 4, 7, 5, 7]))
   assert crowd[1] == crowd[3] == crowd[5] == alone
   assert crowd[0].token_ids != alone.token_ids or crowd[2].token_ids != alone.token_ids  # seeds matter
+
+
+def test_servers_take_their_platform_from_the_environment_unless_pinned(monkeypatch):
+  from copc_jax.rollout.process import server_environment
+
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  inherited = server_environment("")
+  assert inherited["JAX_PLATFORMS"] == "tpu" and inherited["XLA_FLAGS"].endswith("=8")
+  pinned = server_environment("cpu")
+  assert pinned["JAX_PLATFORMS"] == "cpu" and pinned["XLA_FLAGS"] == ""
+  assert server_environment("cuda")["JAX_PLATFORMS"] == "cuda"
