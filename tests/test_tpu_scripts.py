@@ -33,6 +33,16 @@ def test_create_and_delete_name_every_vm():
   creates = [line for line in out.splitlines() if "tpu-vm create" in line]
   assert len(creates) == 4 and "--accelerator-type=v5p-64" in creates[0] and "--project=p" in creates[0]
   assert "copc-server-2" in creates[-1]
+  # Each accelerator type gets its own TPU software version: v5p and v5e (v5litepod) differ.
+  assert creates[0].endswith("--version=v2-alpha-tpuv5")
+  assert creates[-1].endswith("--version=v2-alpha-tpuv5-lite")
+  out = dry_run("create_tpu_vms.sh", NUM_SERVERS="1", LEARNER_TYPE="v6e-16", SERVER_TYPE="v4-8")
+  creates = [line for line in out.splitlines() if "tpu-vm create" in line]
+  assert creates[0].endswith("--version=v2-alpha-tpuv6e")
+  assert creates[1].endswith("--version=tpu-ubuntu2204-base")
+  result = subprocess.run(["bash", "tpu_scripts/create_tpu_vms.sh", "--dry-run"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=30, env={**os.environ, "SERVER_TYPE": "v9-8"})
+  assert result.returncode == 1 and "no TPU software version known for accelerator type 'v9-8'" in result.stderr
   deletes = dry_run("delete_tpu_vms.sh", NUM_SERVERS="3").count("tpu-vm delete")
   assert deletes == 4
 
@@ -40,6 +50,17 @@ def test_create_and_delete_name_every_vm():
 def test_install_runs_setup_on_every_learner_host_and_server():
   out = dry_run("install.sh", NUM_SERVERS="2")
   assert "--worker=all" in out and out.count("bash setup.sh") == 3 and "jax[tpu]" in out
+
+
+def test_servers_take_their_limits_and_checkpoint_from_the_learners_config():
+  out = dry_run("start_servers.sh", NUM_SERVERS="1", CONFIG="configs/qwen2_5_math.py:1.5b")
+  assert ("serve --checkpoint=/mnt/models/Qwen2.5-1.5B-Instruct --host=0.0.0.0 --port=9000 --slots=64 "
+          "--max_prefill_length=4096 --max_length=16384") in out
+  out = dry_run("start_servers.sh", NUM_SERVERS="1", CONFIG="configs/default.py", SLOTS="3")
+  assert "--slots=3 --max_prefill_length=64 --max_length=128" in out       # the environment wins
+  result = subprocess.run(["bash", "tpu_scripts/start_servers.sh", "--dry-run"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=60, env={**os.environ, "CONFIG": "configs/nope.py"})
+  assert result.returncode != 0 and "config file not found: configs/nope.py" in result.stderr
 
 
 def test_servers_then_learner():

@@ -4,20 +4,38 @@
 
 set -euo pipefail
 
+# The TPU software (runtime) version of an accelerator type (cloud.google.com/tpu/docs/runtimes).
+runtime_version_for() {
+  case "$1" in
+    v6e-*) echo "v2-alpha-tpuv6e" ;;
+    v5p-*) echo "v2-alpha-tpuv5" ;;
+    v5litepod-* | v5e-*) echo "v2-alpha-tpuv5-lite" ;;
+    v4-* | v3-* | v2-*) echo "tpu-ubuntu2204-base" ;;
+    *)
+      echo "no TPU software version known for accelerator type '$1': set LEARNER_RUNTIME_VERSION or" \
+        "SERVER_RUNTIME_VERSION" >&2
+      return 1
+      ;;
+  esac
+}
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"          # reads the config (bash setup.sh installs it)
 PROJECT="${PROJECT:-your-gcp-project}"
 ZONE="${ZONE:-us-east5-a}"
-RUNTIME_VERSION="${RUNTIME_VERSION:-v2-alpha-tpuv5}"
 LEARNER_TPU="${LEARNER_TPU:-copc-learner}"          # a multi-host slice: one learner process per host
 LEARNER_TYPE="${LEARNER_TYPE:-v5p-32}"
+LEARNER_RUNTIME_VERSION="${LEARNER_RUNTIME_VERSION:-$(runtime_version_for "$LEARNER_TYPE")}"
 SERVER_TPU_PREFIX="${SERVER_TPU_PREFIX:-copc-server}"  # single-host VMs, one JetStream server each
 SERVER_TYPE="${SERVER_TYPE:-v5litepod-8}"
+SERVER_RUNTIME_VERSION="${SERVER_RUNTIME_VERSION:-$(runtime_version_for "$SERVER_TYPE")}"
 NUM_SERVERS="${NUM_SERVERS:-2}"
 SERVER_PORT="${SERVER_PORT:-9000}"
 REPO_URL="${REPO_URL:-https://github.com/copc-jax/copc_jax.git}"
 REPO_REF="${REPO_REF:-main}"
 REMOTE_DIR="${REMOTE_DIR:-copc_jax}"
 CONFIG="${CONFIG:-configs/qwen2_5_math.py:7b}"
-CHECKPOINT="${CHECKPOINT:-/mnt/models/Qwen2.5-7B}"     # a Hugging Face directory on every host
+CHECKPOINT="${CHECKPOINT:-}"       # a Hugging Face directory on every host; default: CONFIG's model.checkpoint
 WORKDIR="${WORKDIR:-/mnt/runs/copc_qwen2_5_7b_math}"    # shared by the learner hosts and the servers
 
 DRY_RUN=0
@@ -46,6 +64,15 @@ run() {
   if [[ "$DRY_RUN" == 0 ]]; then
     "$@"
   fi
+}
+
+# Values of CONFIG's fields, e.g. `config_values rollout.slots rollout.max_length` → "64 16384".
+config_values() {
+  if [[ ! -x "$PYTHON" ]]; then
+    echo "cannot read $CONFIG: no Python at $PYTHON (run bash setup.sh, or set PYTHON)" >&2
+    return 1
+  fi
+  (cd "$ROOT" && "$PYTHON" -m copc_jax.config_values "$CONFIG" "$@")
 }
 
 server_name() {

@@ -17,7 +17,8 @@ if [[ -z "$ADDRESSES" ]]; then
   exit 2
 fi
 address_tuple="('${ADDRESSES//,/\',\'}',)"
+checkpoint_flag="${CHECKPOINT:+ --config.model.checkpoint=$CHECKPOINT}"   # default: the config's
 
 on_tpu "$LEARNER_TPU" all "cd $REMOTE_DIR && .venv/bin/python -m copc_jax.main --distributed \
---config=$CONFIG --workdir=$WORKDIR --config.model.checkpoint=$CHECKPOINT \
+--config=$CONFIG --workdir=$WORKDIR$checkpoint_flag \
 --config.rollout.addresses=\"$address_tuple\" > learner.log 2>&1"

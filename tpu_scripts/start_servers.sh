@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # Start one JetStream rollout server per server VM and print the addresses for the learner.
 #
-#   CHECKPOINT=/mnt/models/Qwen2.5-7B bash tpu_scripts/start_servers.sh [--dry-run]
+#   CONFIG=configs/qwen2_5_math.py:7b bash tpu_scripts/start_servers.sh [--dry-run]
 #
-# Settings (environment): CHECKPOINT (a Hugging Face directory on each VM), SERVER_PORT,
-# SLOTS, MAX_PREFILL_LENGTH, MAX_LENGTH, plus those of create_tpu_vms.sh.
-# The servers load new weights from paths under WORKDIR, which must be shared with the learner.
+# Settings (environment): CONFIG (the learner's: the servers' slots, prompt and total lengths and
+# checkpoint are its rollout.slots, max_prefill_length, max_length and model.checkpoint unless SLOTS,
+# MAX_PREFILL_LENGTH, MAX_LENGTH, CHECKPOINT are set; CHECKPOINT is a Hugging Face directory on each
+# VM), SERVER_PORT, plus those of create_tpu_vms.sh. The servers load new weights from paths under WORKDIR, which must be shared with
+# the learner.
 
 # shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
 parse_flags "$@"
 
-SLOTS="${SLOTS:-64}"
-MAX_PREFILL_LENGTH="${MAX_PREFILL_LENGTH:-1024}"
-MAX_LENGTH="${MAX_LENGTH:-8192}"
+if [[ -z "${SLOTS:-}" || -z "${MAX_PREFILL_LENGTH:-}" || -z "${MAX_LENGTH:-}" || -z "$CHECKPOINT" ]]; then
+  values="$(config_values rollout.slots rollout.max_prefill_length rollout.max_length model.checkpoint)"
+  read -r config_slots config_prefill config_length config_checkpoint <<<"$values"
+  SLOTS="${SLOTS:-$config_slots}"
+  MAX_PREFILL_LENGTH="${MAX_PREFILL_LENGTH:-$config_prefill}"
+  MAX_LENGTH="${MAX_LENGTH:-$config_length}"
+  CHECKPOINT="${CHECKPOINT:-$config_checkpoint}"
+fi
+echo "servers for $CONFIG: $CHECKPOINT, slots $SLOTS, max_prefill_length $MAX_PREFILL_LENGTH," \
+  "max_length $MAX_LENGTH"
 
 addresses=()
 for i in $(seq 0 $((NUM_SERVERS - 1))); do
