@@ -12,7 +12,7 @@ Services on one gRPC server bound to 127.0.0.1 by default:
                        (with a seed, the tokens depend only on the request and the weights)
     UpdateWeights:     {path, version, reset?} → {version}   (a save_pretrained directory)
     UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version, copc-reset?) → {version}
-    Status:            {} → {version, slots_in_use, queue_length, max_concurrent_decodes, ...}
+    Status:            {} → {version, max_prefill_length, max_length, model (its config), slots_in_use, ...}
 
 Every request is checked before it reaches JetStream's threads, whose exceptions
 would kill the process: bad requests get INVALID_ARGUMENT with what was wrong;
@@ -22,6 +22,7 @@ the server's own failures on a valid request get INTERNAL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import grpc
@@ -175,7 +176,8 @@ class RolloutService:
             "slots_in_use": engine.max_concurrent_decodes - free,
             "queue_length": driver._prefill_backlog.qsize(), "live": bool(driver.live),
             "max_prefill_length": engine.max_prefill_length, "max_length": engine.max_length,
-            "compilations": dict(engine.trace_counts)}
+            "compilations": dict(engine.trace_counts),
+            "model": json.loads(json.dumps(dataclasses.asdict(engine.config)))}
 
   def handler(self) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, {

@@ -45,7 +45,7 @@ from copc_jax.models.decoder import ValueModel
 from copc_jax.rollout.agent import to_batch
 from copc_jax.rollout.pool import PoolExhausted, RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend
-from copc_jax.train import checkpoint, multihost, rollouts, warm_start
+from copc_jax.train import checkpoint, multihost, rollouts, server_check, warm_start
 from copc_jax.train import workdir as workdir_lib
 from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
@@ -276,6 +276,7 @@ class Trainer:
       backend = self.backend_factory()
       backends.append(backend)
       try:
+        self._check_servers(backend)
         if multihost.is_chief():
           logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=self.step,
                                  progress=self.cfg.progress_bar)
@@ -299,6 +300,15 @@ class Trainer:
         logger.close()
     return self._summary(wall_start)
 
+  def _check_servers(self, backend) -> None:
+    """Servers must fit the rollout config's lengths and serve the learner's model (`server_check`)."""
+    if not hasattr(backend, "status"):
+      return                     # an in-process backend (tests): it serves what it is given
+    try:
+      server_check.check_servers(backend.status(), self.config.rollout, self.learner.actor.config)
+    except server_check.ServerMismatch as err:
+      raise TrainingError(str(err)) from err
+
   def _evaluator(self, runner, weights, source, backends) -> Evaluator:
     """Greedy evaluation of the learner's current weights: on the training servers where they can
     take them, else (lag mode) on a dedicated evaluation server started for it."""
@@ -308,6 +318,7 @@ class Trainer:
     backend = self.backend_factory(evaluation=True) if multihost.is_chief() else None
     if backend is not None:
       backends.append(backend)
+      self._check_servers(backend)
     eval_runner = rollouts.EpisodeRunner(backend.generate if backend else None, self.task, self.tokenizer,
                                          self.config.rollout, seed=runner.seed)
     eval_weights = WeightStore(weights.directory, backend, pushes=backend is not None)

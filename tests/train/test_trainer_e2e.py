@@ -115,3 +115,27 @@ def test_the_main_command_names_missing_data(tmp_path):
   assert '"train_path": ' in result.stderr                                             # the resolved config
   assert f"config.task.train_path: {tmp_path}/train.parquet does not exist" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+def test_servers_that_do_not_fit_the_config_or_serve_another_model_are_refused(tmp_path):
+  from copc_jax.models import tiny
+
+  tiny.make_tiny_checkpoint(str(tmp_path / "qwen2"), "qwen2")
+  tiny.make_tiny_checkpoint(str(tmp_path / "llama"), "llama")
+  server = ServerProcess(str(tmp_path / "qwen2"), slots=4, max_prefill_length=64, max_length=96, version=-1)
+  address = server.wait_ready()
+  try:
+    config = small_config(model=dict(checkpoint=str(tmp_path / "qwen2")),
+                          rollout=dict(addresses=(address,), max_length=128))
+    short = (rf"rollout server {address} has max_length 96, less than config.rollout.max_length 128: start "
+             r"it with --max_length=128")
+    with pytest.raises(trainer.TrainingError, match=short):
+      trainer.Trainer(config, str(tmp_path / "short")).run()
+    config = small_config(model=dict(checkpoint=str(tmp_path / "llama")), rollout=dict(addresses=(address,)))
+    other = rf"rollout server {address} serves a different model: model_type is 'qwen2' there and 'llama' in"
+    with pytest.raises(trainer.TrainingError, match=other):
+      trainer.Trainer(config, str(tmp_path / "other")).run()
+  finally:
+    server.stop()
+  for workdir in ("short", "other"):           # refused before anything was generated or trained
+    assert not metrics.read_metrics(str(tmp_path / workdir))
