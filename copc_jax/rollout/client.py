@@ -63,7 +63,20 @@ class RolloutClient:
     return self._update(body, timeout=self.timeout_s)["version"]
 
   def update_weights_bytes(self, payload: bytes, version: int, reset: bool = False) -> int:
+    """Stream one safetensors file's bytes (in `CHUNK_BYTES` messages) as `version`."""
     chunks = (payload[i:i + CHUNK_BYTES] for i in range(0, max(len(payload), 1), CHUNK_BYTES))
+    return self._stream_update(chunks, version, reset)
+
+  def update_weights_file(self, path: str, version: int, reset: bool = False) -> int:
+    """Stream a safetensors file from this machine's disk as `version`, read chunk by chunk: the
+    server needs no access to the path (no shared filesystem)."""
+    def chunks():
+      with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+          yield chunk
+    return self._stream_update(chunks(), version, reset)
+
+  def _stream_update(self, chunks, version: int, reset: bool) -> int:
     metadata = [("copc-version", str(version))] + ([("copc-reset", "1")] if reset else [])
     return self._update_bytes(chunks, metadata=metadata, timeout=self.timeout_s)["version"]
 

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from copc_jax.models.hf_io import SAFETENSORS_SINGLE
 from copc_jax.rollout.client import RolloutClient, collect
 from copc_jax.rollout.health import HangDetector
 from copc_jax.rollout.process import ServerProcess
@@ -35,8 +36,15 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Status
              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+WEIGHT_TRANSFERS = ("path", "stream")     # servers read the pushed directory / get its bytes over gRPC
+
+
 class PoolExhausted(RuntimeError):
   """No server could complete a request after every retry."""
+
+
+class WeightPushError(RuntimeError):
+  """A server refused a weight version (it could not read it, or it does not fit its model)."""
 
 
 class _Server:
@@ -51,8 +59,12 @@ class _Server:
     self.pushed = False          # has taken a push from this pool (before: its versions are another run's)
     self.lock = threading.Lock()
 
-  def push(self, path: str, version: int) -> None:
-    self.client.update_weights(path, version, reset=not self.pushed)
+  def push(self, path: str, version: int, transfer: str) -> None:
+    """`path` by name ("path": the server reads it) or streamed from this machine ("stream")."""
+    if transfer == "stream":
+      self.client.update_weights_file(os.path.join(path, SAFETENSORS_SINGLE), version, reset=not self.pushed)
+    else:
+      self.client.update_weights(path, version, reset=not self.pushed)
     self.pushed = True
 
 
@@ -60,9 +72,13 @@ class RolloutPool:
   def __init__(self, checkpoint: str | None = None, *, num_servers: int = 2,
                addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 5,
                ready_timeout_s: float = 120.0, log_dir: str | None = None, stall_timeout_s: float = 10.0,
-               probe_timeout_s: float = 5.0, lost_timeout_s: float = 120.0, **server_kwargs):
+               probe_timeout_s: float = 5.0, lost_timeout_s: float = 120.0, weight_transfer: str = "path",
+               **server_kwargs):
     if (checkpoint is None) == (addresses is None):
       raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
+    if weight_transfer not in WEIGHT_TRANSFERS:
+      raise ValueError(f"weight_transfer must be one of {WEIGHT_TRANSFERS}; got {weight_transfer!r}")
+    self.weight_transfer = weight_transfer
     self._checkpoint, self._server_kwargs, self._log_dir = checkpoint, server_kwargs, log_dir
     self.max_in_flight, self.max_retries = max_in_flight, max_retries
     self.ready_timeout_s = ready_timeout_s
@@ -132,7 +148,7 @@ class RolloutPool:
       server.restarts += 1
       server.pushed = False
       if self._latest_weights is not None:
-        server.push(*self._latest_weights)
+        server.push(*self._latest_weights, self.weight_transfer)
       server.healthy = True
     with self._cond:
       self._cond.notify_all()
@@ -161,7 +177,7 @@ class RolloutPool:
       if self._detector.responds(server):
         try:
           if self._latest_weights is not None:
-            server.push(*self._latest_weights)
+            server.push(*self._latest_weights, self.weight_transfer)
         except grpc.RpcError:
           continue
         with self._cond:
@@ -210,10 +226,13 @@ class RolloutPool:
         self._on_hung(server)       # it gets these weights when it answers again
         return
       try:
-        server.push(path, version)
+        server.push(path, version, self.weight_transfer)
       except grpc.RpcError as err:
         if err.code() not in RETRYABLE:
-          raise
+          hint = (" A server that does not share this machine's filesystem needs weight_transfer='stream' "
+                  "(config.rollout.weight_transfer)." if self.weight_transfer == "path" else "")
+          raise WeightPushError(f"rollout server {server.address} refused weights version {version} "
+                                f"({self.weight_transfer} {path}): {err.details()}.{hint}") from err
         self._handle_failure(server)    # a restarted local server gets these weights as it starts
 
     with ThreadPoolExecutor(len(self.servers)) as executor:

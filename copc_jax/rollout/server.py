@@ -108,6 +108,7 @@ class RolloutService:
   def __init__(self, driver, engine: CopcEngine):
     self._driver, self._engine = driver, engine
     self._update_lock = asyncio.Lock()
+    self._swaps = {"UpdateWeights": 0, "UpdateWeightsBytes": 0}     # weight versions taken, by method
 
   async def generate(self, request, context):
     try:
@@ -167,6 +168,7 @@ class RolloutService:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {err}")
     except Exception as err:  # noqa: BLE001 - reported to the client as the server's failure
       await context.abort(grpc.StatusCode.INTERNAL, f"{method}: the server failed: {type(err).__name__}: {err}")
+    self._swaps[method] += 1
     return {"version": self._engine.store.version}
 
   async def status(self, request, context):
@@ -176,7 +178,7 @@ class RolloutService:
             "slots_in_use": engine.max_concurrent_decodes - free,
             "queue_length": driver._prefill_backlog.qsize(), "live": bool(driver.live),
             "max_prefill_length": engine.max_prefill_length, "max_length": engine.max_length,
-            "compilations": dict(engine.trace_counts),
+            "compilations": dict(engine.trace_counts), "weight_swaps": dict(self._swaps),
             "model": json.loads(json.dumps(dataclasses.asdict(engine.config)))}
 
   def handler(self) -> grpc.GenericRpcHandler:

@@ -32,6 +32,8 @@ class RolloutConfig:
   addresses: tuple[str, ...] = ()       # or remote servers (host:port); then num_servers is ignored
   eval_addresses: tuple[str, ...] = ()  # lag mode with remote servers: a server for evaluations
   server_platform: str = "cpu"          # JAX platform of the local servers ("" = this environment's)
+  weight_transfer: str = "path"         # "path": servers read each version from the workdir (shared
+                                        # filesystem); "stream": its bytes go to them over gRPC
   slots: int = 8                        # concurrent generations per server
   max_prefill_length: int = 64          # prompt bucket (every turn's context must fit)
   max_length: int = 128                 # context + generated tokens
@@ -50,6 +52,8 @@ class RolloutConfig:
   def __post_init__(self):
     if self.server_platform not in SERVER_PLATFORMS:
       raise ValueError(f"server_platform must be one of {SERVER_PLATFORMS}; got {self.server_platform!r}")
+    if self.weight_transfer not in ("path", "stream"):
+      raise ValueError(f"weight_transfer must be 'path' or 'stream'; got {self.weight_transfer!r}")
     if not self.addresses and self.num_servers < 1:
       raise ValueError(f"num_servers must be >= 1 (or give addresses); got {self.num_servers}")
     for name in ("slots", "max_in_flight", "max_turns", "max_tokens_per_turn"):

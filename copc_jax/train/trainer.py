@@ -250,15 +250,15 @@ class Trainer:
     count = len(addresses) or (1 if evaluation else c.num_servers)
     _say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
     try:
-      health = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
-                    lost_timeout_s=c.lost_timeout_s)
+      common = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
+                    lost_timeout_s=c.lost_timeout_s, weight_transfer=c.weight_transfer)
       if addresses:
-        return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **health)
+        return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **common)
       # Servers start on the base weights as version -1; every version the learner
       # owns is pushed before anything is generated with it.
       return RolloutPool(self.base_checkpoint, num_servers=count, max_in_flight=c.max_in_flight,
                          slots=c.slots, max_prefill_length=c.max_prefill_length, max_length=c.max_length,
-                         platform=c.server_platform, ready_timeout_s=c.ready_timeout_s, **health,
+                         platform=c.server_platform, ready_timeout_s=c.ready_timeout_s, **common,
                          log_dir=os.path.join(self.workdir, "logs", "eval" if evaluation else ""),
                          version=-1)
     except (TimeoutError, RuntimeError) as err:

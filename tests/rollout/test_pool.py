@@ -69,13 +69,18 @@ def test_weight_push_reaches_every_server_and_restarted_ones(checkpoint, tmp_pat
     assert not pool.servers[0].hung
     pool.update_weights(str(tmp_path / "v3"), version=4)     # a push restarts a dead server
     assert [s["version"] for s in pool.status()] == [4, 4] and pool.servers[0].restarts == 1
-    # A new run on the same servers (a study's next cell): its pool starts its own versions at 0.
-    with RolloutPool(addresses=[s.address for s in pool.servers]) as next_run:
+    # A new run on the same servers (a study's next cell): its pool starts its own versions at 0, and
+    # streams them (weight_transfer="stream": the bytes over gRPC, no path the servers must read).
+    before = [s["weight_swaps"] for s in pool.status()]
+    with RolloutPool(addresses=[s.address for s in pool.servers], weight_transfer="stream") as next_run:
       next_run.update_weights(str(tmp_path / "v3"), version=0)
       next_run.update_weights(str(tmp_path / "v3"), version=1)
       assert [s["version"] for s in next_run.status()] == [1, 1]
       outs = next_run.generate_many([dict(token_ids=[1, 5], max_tokens=3)] * 4)
       assert all(set(o.versions) == {1} for o in outs)
+      after = [s["weight_swaps"] for s in next_run.status()]
+      assert [a["UpdateWeightsBytes"] - b["UpdateWeightsBytes"] for a, b in zip(after, before)] == [2, 2]
+      assert [a["UpdateWeights"] for a in after] == [b["UpdateWeights"] for b in before]
 
 
 def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):

@@ -1,8 +1,10 @@
 """The trainer against real JetStream servers: the main command killed and resumed, failures on the way."""
 
+import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,3 +141,38 @@ def test_servers_that_do_not_fit_the_config_or_serve_another_model_are_refused(t
     server.stop()
   for workdir in ("short", "other"):           # refused before anything was generated or trained
     assert not metrics.read_metrics(str(tmp_path / workdir))
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (setup.sh installs it)")
+def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_path):
+  """The server runs in a mount namespace where the learner's workdir is an empty tmpfs: pushing by
+  path fails with advice; weight_transfer='stream' trains, every version arriving over gRPC."""
+  from copc_jax.models import tiny
+  from copc_jax.rollout.client import RolloutClient
+
+  tiny.make_tiny_checkpoint(str(tmp_path / "model"))
+  for name in ("by_path", "streamed"):
+    (tmp_path / name).mkdir()
+  hide = ("bwrap", "--dev-bind", "/", "/", "--tmpfs", str(tmp_path / "by_path"), "--tmpfs",
+          str(tmp_path / "streamed"), "--")
+  server = ServerProcess(str(tmp_path / "model"), slots=4, max_prefill_length=64, max_length=128, version=-1,
+                         launcher=hide)
+  address = server.wait_ready()
+  client = RolloutClient(address)
+  try:
+    config = small_config(model=dict(checkpoint=str(tmp_path / "model")), rollout=dict(addresses=(address,)),
+                          trainer=dict(mode="sync", steps=3, eval_every=0))
+    refused = r"refused weights version 0 \(path .*by_path.*weight_transfer='stream'"
+    with pytest.raises(trainer.TrainingError, match=refused):
+      trainer.Trainer(config, str(tmp_path / "by_path")).run()
+    rollout = dataclasses.replace(config.rollout, weight_transfer="stream")
+    streamed = dataclasses.replace(config, rollout=rollout)
+    trainer.Trainer(streamed, str(tmp_path / "streamed")).run()
+    rows = metrics.read_metrics(str(tmp_path / "streamed"))
+    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
+    status = client.status()
+    assert status["weight_swaps"] == {"UpdateWeights": 0, "UpdateWeightsBytes": status["version"] + 1}
+    assert status["version"] == 3
+  finally:
+    client.close()
+    server.stop()
