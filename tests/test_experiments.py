@@ -66,3 +66,14 @@ def test_loop_cost_script_runs_and_its_recurrence_is_right():
        "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "ns/lane-step" in result.stdout and result.stdout.count("\n    4 ") == 4
+
+
+def test_weight_push_benchmark_runs_both_transfers(tmp_path):
+  import json
+  result = subprocess.run(
+      [sys.executable, "experiments/bench_weight_push.py", "--config=tiny", "--servers", "1", "--rounds=1",
+       f"--out={tmp_path / 'push.json'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env={**os.environ, "XLA_FLAGS": ""})
+  assert result.returncode == 0, result.stderr[-2000:]
+  row = json.loads((tmp_path / "push.json").read_text())["rows"][0]
+  assert row["servers"] == 1 and row["path_s"] > 0 and row["stream_s"] > 0 and "| 1 |" in result.stdout
