@@ -18,6 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from copc_jax import sharding
 from copc_jax.models.config import ModelConfig
 from copc_jax.models.decoder import Decoder
 
@@ -52,19 +53,25 @@ def _path_string(path) -> str:
   return "/".join(parts)
 
 
-def read_safetensors(directory: str) -> dict[str, jax.Array]:
-  """All tensors of a checkpoint directory (single file or sharded with an index)."""
+def tensor_files(directory: str) -> dict[str, str]:
+  """Tensor name → the safetensors file that holds it (single file, or sharded with an index)."""
   index_path = os.path.join(directory, SAFETENSORS_INDEX)
   if os.path.exists(index_path):
     with open(index_path) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-  elif os.path.exists(os.path.join(directory, SAFETENSORS_SINGLE)):
-    files = [SAFETENSORS_SINGLE]
-  else:
+      return {name: os.path.join(directory, file) for name, file in json.load(f)["weight_map"].items()}
+  single = os.path.join(directory, SAFETENSORS_SINGLE)
+  if not os.path.exists(single):
     raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {directory}")
+  with safe_open(single, framework="numpy") as f:
+    return {name: single for name in f.keys()}
+
+
+def read_safetensors(directory: str) -> dict[str, jax.Array]:
+  """All tensors of a checkpoint directory (single file or sharded with an index)."""
+  files = sorted(set(tensor_files(directory).values()))
   tensors = {}
   for name in files:
-    with safe_open(os.path.join(directory, name), framework="flax") as f:
+    with safe_open(name, framework="flax") as f:
       for key in f.keys():
         tensors[key] = f.get_tensor(key)
   return tensors
@@ -110,9 +117,54 @@ def load_tokenizer(path: str, needed_for: str):
   return _load_tokenizer(path)
 
 
-def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_tokenizer: bool = True):
+def _place_tensor(file: str, hf_name: str, transpose: bool, shape, dtype, placement) -> jax.Array:
+  """One parameter read straight into its sharding: each device's block is sliced from the file (the
+  transposed block for a transposed tensor), so no process holds more of it than its own shards."""
+  with safe_open(file, framework="numpy") as f:
+    tensor = f.get_slice(hf_name)
+    stored = tuple(tensor.get_shape())
+    expected = tuple(reversed(shape)) if transpose else tuple(shape)
+    if stored != expected:
+      raise ValueError(f"{hf_name}: checkpoint shape {stored} != model shape {tuple(shape)}")
+
+    def block(index):
+      index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+      part = tensor[tuple(reversed(index))].T if transpose else tensor[index]
+      return np.asarray(part, dtype)
+    return jax.make_array_from_callback(tuple(shape), placement, block)
+
+
+def load_sharded(model: Decoder, directory: str, placements) -> None:
+  """Fill the abstract `model` (`nnx.eval_shape`) from `directory`: every parameter is created
+  with its placement (`placements`: the tree of `nnx.state(model)` with a Sharding per leaf)."""
+  files = tensor_files(directory)
+  names = hf_parameter_names(model.config)
+  missing = sorted(set(names) - set(files))
+  if missing:
+    raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+  by_path = {ours: (hf_name, transpose) for hf_name, (ours, transpose) in names.items()}
+  state = nnx.state(model)
+  key = lambda path: _path_string(path).removesuffix("/value")    # a Variable's array is its `value`
+  by_key = {key(path): placement for path, placement in jax.tree_util.tree_leaves_with_path(placements)}
+
+  def load(path, variable):
+    ours = key(path)
+    placement = by_key[ours]
+    if ours in by_path:
+      hf_name, transpose = by_path[ours]
+      return _place_tensor(files[hf_name], hf_name, transpose, variable.shape, variable.dtype, placement)
+    return jax.device_put(jnp.zeros(variable.shape, variable.dtype), placement)   # not a weight
+  nnx.update(model, jax.tree_util.tree_map_with_path(load, state))
+
+
+def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_tokenizer: bool = True,
+                    mesh=None, rules=None):
   """A `Decoder` with the checkpoint's weights, and its tokenizer: None where `load_tokenizer` is
-  False or the directory has no tokenizer files (a model-only checkpoint)."""
+  False or the directory has no tokenizer files (a model-only checkpoint).
+
+  Each tensor goes straight to where it lives: with `mesh` (and sharding `rules`, default
+  `sharding.DEFAULT_RULES`) into its sharding over the mesh, otherwise onto the first device. The
+  model is built from shapes first, so no full copy of it exists on the host or on one device."""
   import transformers
 
   if not os.path.isdir(path):
@@ -123,9 +175,11 @@ def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_t
   config = ModelConfig.from_hf(hf_config)
   model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
   state = nnx.state(model)
-  # Materialise zero buffers for every variable, then fill them from the checkpoint.
-  nnx.update(model, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state))
-  load_weights(model, read_safetensors(path))
+  if mesh is None:
+    placements = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state)
+  else:
+    placements = sharding.state_shardings(state, mesh, rules or sharding.DEFAULT_RULES)
+  load_sharded(model, path, placements)
   return model, _load_tokenizer(path) if load_tokenizer and has_tokenizer(path) else None
 
 

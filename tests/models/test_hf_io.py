@@ -1,6 +1,7 @@
 """Parity with `transformers`' PyTorch models on tiny random checkpoints (CPU torch)."""
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from copc_jax import sharding
 from copc_jax.models import hf_io, tiny
+from copc_jax.models.decoder import Decoder
 
 TOL = 1e-4
 
@@ -141,3 +143,60 @@ def test_a_model_only_checkpoint_loads_without_a_tokenizer(tmp_path, arch):
   assert trainer.tokenizer_dir(config, *paths) == paths[1]        # the first that has one
   named = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer="/tok"))
   assert trainer.tokenizer_dir(named, *paths) == "/tok"
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+@pytest.mark.parametrize("shard_size", [None, "40KB"])
+def test_sharded_loading_puts_every_parameter_where_the_rules_say(tmp_path, shard_size):
+  """`from_pretrained(path, mesh=...)`: each tensor (of a single or an index-sharded checkpoint) lands
+  in the sharding its logical axes give, with the values of the single-device load."""
+  write_torch_checkpoint(tmp_path, "qwen2", **({"max_shard_size": shard_size} if shard_size else {}))
+  assert (tmp_path / hf_io.SAFETENSORS_INDEX).exists() == bool(shard_size)
+  mesh = sharding.make_mesh(sharding.ShardingConfig(mesh_shape=(2, 2, 2)))
+  model, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False, mesh=mesh)
+  reference, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False)
+  abstract = nnx.eval_shape(lambda: type(reference)(reference.config, rngs=nnx.Rngs(0)))
+  expected = jax.tree.leaves(sharding.state_shardings(nnx.state(abstract), mesh, sharding.DEFAULT_RULES))
+  loaded = jax.tree.leaves(nnx.state(model))
+  assert len(loaded) == len(expected) == len(jax.tree.leaves(nnx.state(reference)))
+  for array, want, value in zip(loaded, expected, jax.tree.leaves(nnx.state(reference)), strict=True):
+    assert array.sharding.is_equivalent_to(want, array.ndim), (array.sharding, want)
+    np.testing.assert_array_equal(np.asarray(array), np.asarray(value))
+  assert model.model.layers[0].mlp.gate_proj.kernel[...].sharding.spec == P("fsdp", "tensor")
+
+
+LOAD_MEMORY = """
+import json, os, sys, numpy as np
+from copc_jax import sharding
+from copc_jax.models import hf_io
+def status(field):
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+mesh = sharding.make_mesh(sharding.ShardingConfig(mesh_shape=(1, 4, 2)))
+before = status("VmRSS")
+model, _ = hf_io.from_pretrained(sys.argv[1], load_tokenizer=False, mesh=mesh)
+print(json.dumps({"before": before, "after": status("VmRSS"), "peak": status("VmHWM")}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status")
+def test_sharded_loading_never_holds_a_full_copy_of_a_100m_model(tmp_path):
+  """Peak resident memory during the load exceeds what the loaded shards need by well under the size
+  of the model (the old loader held a zero-filled model and every tensor of the file at once)."""
+  import json
+  import subprocess
+  import sys
+
+  config = tiny.tiny_config("qwen2", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                            num_heads=12, num_kv_heads=4, head_dim=64)
+  hf_io.save_pretrained(Decoder(config, rngs=nnx.Rngs(0)), str(tmp_path))
+  size = os.path.getsize(tmp_path / hf_io.SAFETENSORS_SINGLE)
+  assert size > 300e6                                      # about 100M float32 parameters
+  devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  result = subprocess.run([sys.executable, "-c", LOAD_MEMORY, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **devices})
+  assert result.returncode == 0, result.stderr[-2000:]
+  memory = json.loads(result.stdout.strip().splitlines()[-1])
+  held = memory["after"] - memory["before"]               # the shards (replicas included) stay resident
+  transient = memory["peak"] - memory["after"]
+  assert held > 0.9 * size and transient < 0.25 * size, (memory, size)
