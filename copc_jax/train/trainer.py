@@ -192,12 +192,14 @@ class Trainer:
                        f"{self.processes} learner processes")
     self.local_batch_size = self.cfg.batch_size // self.processes
     self.base_checkpoint = base_checkpoint(config, self.workdir)
-    actor, _ = hf_io.from_pretrained(actor_checkpoint or self.base_checkpoint, load_tokenizer=False)
+    mesh = self._mesh()
+    actor, _ = hf_io.from_pretrained(actor_checkpoint or self.base_checkpoint, load_tokenizer=False, mesh=mesh,
+                                     rules=config.sharding.rules)       # each tensor straight into its shards
     self.tokenizer = hf_io.load_tokenizer(
         tokenizer_dir(config, *filter(None, (actor_checkpoint, self.base_checkpoint))),
         needed_for="the trainer (prompts, tool outputs and answers are text)")
     critic = ValueModel.from_policy(actor, rngs=nnx.Rngs(config.seed + 1))
-    self.learner = Learner(actor, critic, self._learner_config(), mesh=self._mesh(),
+    self.learner = Learner(actor, critic, self._learner_config(), mesh=mesh,
                            rules=config.sharding.rules, seed=config.seed)
     self.checkpointer = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"))
     self.step, self.record = 0, {}
