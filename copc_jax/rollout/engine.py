@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from copc_jax import sampling
+from copc_jax import sampling, sharding
 from copc_jax.models.decoder import Decoder, KVCache
 from copc_jax.rollout import jetstream_compat
 
@@ -186,21 +186,39 @@ class IdTokenizer(tokenizer_api.Tokenizer):
     return {self._eos}
 
 
+# Serving is tensor-parallel: the model dimensions go over the `tensor` axis, nothing over fsdp (every
+# decode step needs all of each layer), and the KV cache splits with the KV heads.
+SERVING_RULES: tuple = (("batch", None), ("vocab", "tensor"), ("embed", None), ("heads", "tensor"),
+                        ("kv_heads", "tensor"), ("mlp", "tensor"), ("norm", None))
+
+
+def serving_mesh(tensor_parallelism: int = 1, devices=None):
+  """A (1, 1, tensor_parallelism) mesh over this host's first devices (−1: all of them)."""
+  devices = list(devices if devices is not None else jax.local_devices())
+  count = len(devices) if tensor_parallelism == -1 else tensor_parallelism
+  if not 1 <= count <= len(devices):
+    raise ValueError(f"tensor_parallelism must be -1 or 1..{len(devices)} (this host's devices); "
+                     f"got {tensor_parallelism}")
+  return sharding.make_mesh(sharding.ShardingConfig(mesh_shape=(1, 1, count)), devices[:count])
+
+
 class CopcEngine(engine_api.Engine):
   def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 4, max_prefill_length: int = 64,
-               max_length: int = 256, tokenizer=None, seed: int = 0, version: int = 0):
+               max_length: int = 256, tokenizer=None, seed: int = 0, version: int = 0, mesh=None):
+    """`mesh`: the devices to serve on (`serving_mesh`; default: the first device alone). Weights are
+    placed by `SERVING_RULES` and keep their placement across weight swaps."""
     if max_prefill_length not in PREFILL_BUCKETS:
       raise ValueError(f"max_prefill_length must be one of {PREFILL_BUCKETS}; got {max_prefill_length}")
     if max_length <= max_prefill_length:
       raise ValueError(f"max_length ({max_length}) must exceed max_prefill_length ({max_prefill_length})")
     self.config = model.config
     self._graphdef, params = nnx.split(model)
-    device = jax.devices()[0]
-    self.store = ParamStore(jax.device_put(params, device), version)
+    self._mesh = mesh if mesh is not None else serving_mesh(1)
+    self.store = ParamStore(jax.device_put(params, sharding.state_shardings(params, self._mesh, SERVING_RULES)),
+                            version)
     self._slots, self._prefill_len, self._max_length = max_concurrent_decodes, max_prefill_length, max_length
     self._tokenizer = tokenizer
     self._seed_stream, self._seed_lock = np.random.default_rng(seed), threading.Lock()
-    self._mesh = jax.make_mesh((1,), ("x",), devices=[device])
     self.pending_sampling = threading.local()   # set by the driver's prefill thread per request
     self.slot_stops = SlotStops(max_concurrent_decodes)
     self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
@@ -295,15 +313,26 @@ class CopcEngine(engine_api.Engine):
     return state, engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
                                           length_idx=(2, 3), samples_per_slot=1)
 
+  def cache_sharding(self):
+    """The KV cache [L, B, S, KV, D]: split over `tensor` with the KV heads (if they divide)."""
+    spec = sharding.logical_to_spec((None, None, None, "kv_heads", None),
+                                    (1, 1, 1, self.config.num_kv_heads, 1), self._mesh, SERVING_RULES)
+    return jax.sharding.NamedSharding(self._mesh, spec)
+
   def init_decode_state(self, *args, **kwargs):
     s, v = self._slots, self.config.vocab_size
+    replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+    put = lambda x: jax.device_put(x, replicated)
+    cache = KVCache.create(self.config, batch=s, max_length=self._max_length)
+    cache = cache.replace(keys=jax.device_put(cache.keys, self.cache_sharding()),
+                          values=jax.device_put(cache.values, self.cache_sharding()), valid=put(cache.valid))
     return DecodeState(
-        cache=KVCache.create(self.config, batch=s, max_length=self._max_length),
-        lengths=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
-        logits=jnp.zeros((s, v), jnp.float32), logits_version=jnp.zeros((s,), jnp.int32),
-        temperature=jnp.ones((s,), jnp.float32), top_p=jnp.ones((s,), jnp.float32),
-        top_k=jnp.zeros((s,), jnp.int32),
-        key_data=jnp.zeros((s, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32))
+        cache=cache,
+        lengths=put(jnp.zeros((s,), jnp.int32)), generated=put(jnp.zeros((s,), jnp.int32)),
+        logits=put(jnp.zeros((s, v), jnp.float32)), logits_version=put(jnp.zeros((s,), jnp.int32)),
+        temperature=put(jnp.ones((s,), jnp.float32)), top_p=put(jnp.ones((s,), jnp.float32)),
+        top_k=put(jnp.zeros((s,), jnp.int32)),
+        key_data=put(jnp.zeros((s, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32)))
 
   def get_prefix_destination_sharding(self):
     return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())

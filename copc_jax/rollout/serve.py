@@ -22,6 +22,8 @@ flags.DEFINE_integer("max_prefill_length", 64, "Prompt bucket: one of 16, 32, 64
 flags.DEFINE_integer("max_length", 256, "Prompt + generated tokens per slot.")
 flags.DEFINE_string("tokenizer", None, "Directory with tokenizer files (default: the checkpoint's, if it has "
                     "them). Without one only token-id requests work; text prompts are refused.")
+flags.DEFINE_integer("tensor_parallelism", -1, "Devices of this host to serve on, the model split over them "
+                     "(tensor parallel); -1: all of them.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("version", 0, "Version of the initial weights.")
 flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
@@ -36,10 +38,12 @@ def main(argv):
   if FLAGS.exit_with_parent:
     parent_watchdog.exit_when_orphaned()
   from copc_jax.models import hf_io
-  from copc_jax.rollout.engine import CopcEngine
+  from copc_jax.rollout.engine import SERVING_RULES, CopcEngine, serving_mesh
   from copc_jax.rollout.server import serve
 
-  model, tokenizer = hf_io.from_pretrained(FLAGS.checkpoint, load_tokenizer=not FLAGS.tokenizer)
+  mesh = serving_mesh(FLAGS.tensor_parallelism)
+  model, tokenizer = hf_io.from_pretrained(FLAGS.checkpoint, load_tokenizer=not FLAGS.tokenizer, mesh=mesh,
+                                           rules=SERVING_RULES)
   if FLAGS.tokenizer:
     tokenizer = hf_io.load_tokenizer(FLAGS.tokenizer, needed_for="--tokenizer")
   if tokenizer is None:
@@ -47,8 +51,8 @@ def main(argv):
                     "refused; token-id prompts work", FLAGS.checkpoint)
   engine = CopcEngine(model, max_concurrent_decodes=FLAGS.slots,
                       max_prefill_length=FLAGS.max_prefill_length, max_length=FLAGS.max_length,
-                      tokenizer=tokenizer, seed=FLAGS.seed, version=FLAGS.version)
-  logging.info("serving %s on %s:%d", FLAGS.checkpoint, FLAGS.host, FLAGS.port)
+                      tokenizer=tokenizer, seed=FLAGS.seed, version=FLAGS.version, mesh=mesh)
+  logging.info("serving %s on %s:%d over %s", FLAGS.checkpoint, FLAGS.host, FLAGS.port, dict(mesh.shape))
   if not FLAGS.log_steps:
     # JetStream 0.2.2 logs several INFO lines on the root logger for every decode step.
     logging.set_verbosity(logging.WARNING)

@@ -179,6 +179,7 @@ class RolloutService:
             "queue_length": driver._prefill_backlog.qsize(), "live": bool(driver.live),
             "max_prefill_length": engine.max_prefill_length, "max_length": engine.max_length,
             "compilations": dict(engine.trace_counts), "weight_swaps": dict(self._swaps),
+            "mesh": {name: int(size) for name, size in engine.mesh.shape.items()},
             "model": json.loads(json.dumps(dataclasses.asdict(engine.config)))}
 
   def handler(self) -> grpc.GenericRpcHandler:

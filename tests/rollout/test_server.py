@@ -314,3 +314,73 @@ def test_servers_take_their_platform_from_the_environment_unless_pinned(monkeypa
   pinned = server_environment("cpu")
   assert pinned["JAX_PLATFORMS"] == "cpu" and pinned["XLA_FLAGS"] == ""
   assert server_environment("cuda")["JAX_PLATFORMS"] == "cuda"
+
+
+def engine_decode(engine, prompts, steps, seed=5):
+  """Tokens and log-probs of `steps` decode steps for each prompt, one slot each (stepped by hand)."""
+  from copc_jax.rollout.engine import SamplingOptions
+
+  store, state = engine.load_params(), engine.init_decode_state()
+  for slot, prompt in enumerate(prompts):
+    padded = np.zeros(16, np.int32)
+    padded[:len(prompt)] = prompt
+    engine.pending_sampling.options = SamplingOptions(seed=seed + slot)
+    prefix = engine.prefill(params=store, padded_tokens=padded, true_length=len(prompt))
+    state = engine.insert(prefix, state, slot)
+  tokens, logprobs = [], []
+  for _ in range(steps):
+    state, result = engine.generate(store, state)
+    data = np.asarray(result.data)[:len(prompts)]
+    tokens.append(data[:, 0].tolist())
+    logprobs.append(data[:, 3].astype(np.int32).view(np.float32).tolist())
+  return np.array(tokens), np.array(logprobs), state
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+@pytest.mark.parametrize("tensor_parallelism", [2, 8])
+def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(checkpoint, tensor_parallelism):
+  from copc_jax.rollout.engine import CopcEngine, serving_mesh
+
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  prompts = [[1, 40, 41, 42], [1, 7, 8]]
+  make = lambda mesh: CopcEngine(model, max_concurrent_decodes=2, max_prefill_length=16, max_length=64,
+                                 mesh=mesh)
+  single = make(None)
+  sharded = make(serving_mesh(tensor_parallelism))
+  kernel = sharded.store.get()[0]["model"]["layers"][0]["mlp"]["gate_proj"]["kernel"][...]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")      # split over the mesh
+  assert len(kernel.sharding.device_set) == tensor_parallelism
+  expected_tokens, expected_logprobs, _ = engine_decode(single, prompts, steps=20)
+  tokens, logprobs, state = engine_decode(sharded, prompts, steps=20)
+  np.testing.assert_array_equal(tokens, expected_tokens)
+  np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-5)
+  kv_split = model.config.num_kv_heads % tensor_parallelism == 0
+  spec = tuple(state.cache.keys.sharding.spec) + (None,) * 5
+  assert spec[3] == ("tensor" if kv_split else None)
+  compiled = dict(sharded.trace_counts)
+  new = Decoder(model.config, rngs=nnx.Rngs(42))
+  sharded.store.update(sharded.params_of(new), 1)                      # a weight push
+  single.store.update(single.params_of(new), 1)
+  swapped = sharded.store.get()[0]["model"]["layers"][0]["mlp"]["gate_proj"]["kernel"][...]
+  assert swapped.sharding == kernel.sharding
+  tokens, logprobs, _ = engine_decode(sharded, prompts, steps=10)
+  expected_tokens, expected_logprobs, _ = engine_decode(single, prompts, steps=10)
+  np.testing.assert_array_equal(tokens, expected_tokens)
+  np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-5)
+  assert sharded.trace_counts == compiled                              # no recompilation
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_a_server_process_serves_over_all_devices_of_its_platform(checkpoint):
+  """platform "" keeps this environment (8 fake CPU devices): the server splits the model over all
+  of them and its log-probs are the learner's."""
+  process = ServerProcess(checkpoint, slots=2, max_prefill_length=16, max_length=64, platform="")
+  client = RolloutClient(process.wait_ready())
+  try:
+    assert client.status()["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
+    out = client.generate([1, 40, 41], max_tokens=12, seed=3)
+    model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+    np.testing.assert_allclose(out.logprobs, teacher_forced(model, [1, 40, 41], out.token_ids), atol=TOL)
+  finally:
+    client.close()
+    process.stop()
