@@ -114,7 +114,7 @@ class SharedServers:
   @staticmethod
   def settings(rollout) -> tuple:
     return (rollout.num_servers, rollout.slots, rollout.max_prefill_length, rollout.max_length,
-            rollout.server_platform)
+            rollout.server_platform, rollout.server_tensor_parallelism)
 
   def fits(self, rollout) -> bool:
     return not rollout.addresses and self.settings(rollout) == self.settings(self.rollout)
@@ -134,6 +134,7 @@ class SharedServers:
       os.makedirs(self.log_dir, exist_ok=True)
       self.processes[i] = ServerProcess(self.checkpoint, slots=c.slots, max_prefill_length=c.max_prefill_length,
                                         max_length=c.max_length, seed=i, version=-1, platform=c.server_platform,
+                                        tensor_parallelism=c.server_tensor_parallelism,
                                         log_path=os.path.join(self.log_dir, f"server_{i}.log"))
       self.starts += 1
     for i in dead:

@@ -32,6 +32,7 @@ class RolloutConfig:
   addresses: tuple[str, ...] = ()       # or remote servers (host:port); then num_servers is ignored
   eval_addresses: tuple[str, ...] = ()  # lag mode with remote servers: a server for evaluations
   server_platform: str = "cpu"          # JAX platform of the local servers ("" = this environment's)
+  server_tensor_parallelism: int = -1   # devices each local server splits the model over (-1: all)
   weight_transfer: str = "path"         # "path": servers read each version from the workdir (shared
                                         # filesystem); "stream": its bytes go to them over gRPC
   slots: int = 8                        # concurrent generations per server
@@ -52,6 +53,9 @@ class RolloutConfig:
   def __post_init__(self):
     if self.server_platform not in SERVER_PLATFORMS:
       raise ValueError(f"server_platform must be one of {SERVER_PLATFORMS}; got {self.server_platform!r}")
+    if self.server_tensor_parallelism == 0 or self.server_tensor_parallelism < -1:
+      raise ValueError(f"server_tensor_parallelism must be -1 (all devices) or >= 1; got "
+                       f"{self.server_tensor_parallelism}")
     if self.weight_transfer not in ("path", "stream"):
       raise ValueError(f"weight_transfer must be 'path' or 'stream'; got {self.weight_transfer!r}")
     if not self.addresses and self.num_servers < 1:
