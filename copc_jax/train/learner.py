@@ -7,8 +7,9 @@ Inside the step:
   1. log π_prox(y_t) and V_t with the current weights (no gradient), π under the
      rollouts' sampling settings (`copc_jax.sampling`: temperature, top-k, top-p);
   2. `coupled_advantages` with the preset's estimator, optional whitening;
-  3. `epochs` × `num_minibatches` updates of the actor (preset's actor loss) and
-     of the critic (clipped value loss), each with its own AdamW.
+  3. `epochs` × `num_minibatches` updates of the actor (preset's actor loss, with the KL term to a
+     frozen reference when `kl_coef > 0`) and of the critic (clipped value loss), each with its
+     own optimizer, as one `lax.scan`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ def _take(batch: TrajectoryBatch, extra: dict, index):
   return jax.tree.map(lambda x: x[index], batch), jax.tree.map(lambda x: x[index], extra)
 
 
-def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
+def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, reference=None):
+  """One update. The `epochs` × `num_minibatches` actor and critic updates are one `lax.scan` over
+  minibatch index sets, so the compiled program does not grow with either. `reference`: the frozen
+  policy of the KL term (`config.actor.kl_coef > 0`); its log-probs come in the same pass as π_prox."""
   actor, critic, actor_opt, critic_opt = models
   logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
   logp_prox, entropy_prox = token_logprobs_and_entropy(logits, batch.tokens, config.sampling)
@@ -103,12 +107,16 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
   if config.estimator.whiten_advantages:
     advantages = estimators.whiten(advantages, batch.mask)
   extra = dict(logp_prox=logp_prox, old_values=old_values, advantages=advantages, returns=returns)
+  if reference is not None:
+    ref_logits = reference(batch.tokens, attention_mask_bt=batch.attention_mask)
+    extra["logp_ref"] = jax.lax.stop_gradient(token_logprobs_and_entropy(ref_logits, batch.tokens,
+                                                                         config.sampling)[0])
 
   def actor_loss_fn(actor, mb, mb_extra):
     logits = actor(mb.tokens, attention_mask_bt=mb.attention_mask)
     logp, entropy = token_logprobs_and_entropy(logits, mb.tokens, config.sampling)
-    return losses.actor_loss(logp, mb_extra["logp_prox"], mb.behavior_logprobs,
-                             mb_extra["advantages"], mb.mask, config.actor, entropy=entropy)
+    return losses.actor_loss(logp, mb_extra["logp_prox"], mb.behavior_logprobs, mb_extra["advantages"],
+                             mb.mask, config.actor, entropy=entropy, logp_ref=mb_extra.get("logp_ref"))
 
   def critic_loss_fn(critic, mb, mb_extra):
     return losses.value_loss(state_values(critic, mb), mb_extra["old_values"], mb_extra["returns"],
@@ -118,19 +126,24 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
   actor_params_before = jax.tree.leaves(nnx.state(actor, nnx.Param))
   batch_size = batch.tokens.shape[0]
   minibatch = batch_size // config.num_minibatches
-  history = []
-  for epoch_rng in jax.random.split(rng, config.epochs):
-    order = jax.random.permutation(epoch_rng, batch_size)
-    for i in range(config.num_minibatches):
-      mb, mb_extra = _take(batch, extra, order[i * minibatch:(i + 1) * minibatch])
-      (_, actor_diag), actor_grads = nnx.value_and_grad(actor_loss_fn, has_aux=True)(actor, mb, mb_extra)
-      (_, value_diag), critic_grads = nnx.value_and_grad(critic_loss_fn, has_aux=True)(critic, mb,
-                                                                                       mb_extra)
-      actor_opt.update(actor, actor_grads)
-      critic_opt.update(critic, critic_grads)
-      history.append({**actor_diag, **value_diag, "actor_grad_norm": _global_norm(actor_grads),
-                      "critic_grad_norm": _global_norm(critic_grads)})
-  metrics = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
+  orders = jax.vmap(lambda key: jax.random.permutation(key, batch_size))(jax.random.split(rng, config.epochs))
+  minibatch_rows = orders.reshape(config.epochs * config.num_minibatches, minibatch)
+  graphdef, state = nnx.split(models)
+
+  def update(state, rows):
+    actor, critic, actor_opt, critic_opt = nnx.merge(graphdef, state)
+    mb, mb_extra = _take(batch, extra, rows)
+    (_, actor_diag), actor_grads = nnx.value_and_grad(actor_loss_fn, has_aux=True)(actor, mb, mb_extra)
+    (_, value_diag), critic_grads = nnx.value_and_grad(critic_loss_fn, has_aux=True)(critic, mb, mb_extra)
+    actor_opt.update(actor, actor_grads)
+    critic_opt.update(critic, critic_grads)
+    diagnostics = {**actor_diag, **value_diag, "actor_grad_norm": _global_norm(actor_grads),
+                   "critic_grad_norm": _global_norm(critic_grads)}
+    return nnx.state((actor, critic, actor_opt, critic_opt)), diagnostics
+
+  state, history = jax.lax.scan(update, state, minibatch_rows)
+  nnx.update(models, state)
+  metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), history)
   actor_params = jax.tree.leaves(nnx.state(actor, nnx.Param))
   metrics["actor_param_norm"] = _global_norm(actor_params)
   metrics["actor_update_norm"] = _global_norm(
@@ -138,6 +151,9 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig):
   metrics["returns_mean"] = losses.aggregate(returns, batch.mask, "token_mean")
   # Entropy of π_prox (the weights before this update) on the batch's policy tokens: a collapse sign.
   metrics["entropy"] = losses.aggregate(entropy_prox, batch.mask, "token_mean")
+  if reference is not None:       # KL(π_prox ‖ π_ref), k3 estimator, on the policy tokens
+    log_r = extra["logp_ref"] - logp_prox
+    metrics["kl_ref"] = losses.aggregate(jnp.exp(log_r) - log_r - 1.0, batch.mask, "token_mean")
   return metrics
 
 
@@ -146,28 +162,38 @@ class Learner:
 
   def __init__(self, actor, critic, config: LearnerConfig, *, mesh=None,
                rules=sharding.DEFAULT_RULES, seed: int = 0):
+    """With `config.actor.kl_coef > 0`, a frozen copy of `actor` as given (the warm-started weights)
+    is the KL reference; it is not part of `state` (nor of checkpoints): a resumed run builds it
+    from the same weights again."""
     self.config = config
     self.mesh = mesh
     self.rules = rules
+    reference = None
+    if config.actor.kl_coef > 0:
+      self._reference_graphdef, reference = nnx.split(actor)
+      reference = jax.tree.map(jnp.copy, reference)      # its own buffers: the actor's are donated
     actor_opt = nnx.Optimizer(actor, config.actor_optimizer.make(), wrt=nnx.Param)
     critic_opt = nnx.Optimizer(critic, config.critic_optimizer.make(), wrt=nnx.Param)
     self.graphdef, state = nnx.split((actor, critic, actor_opt, critic_opt))
     self.rng = jax.random.key(seed)
     if mesh is None:
-      self.state = state
+      self.state, self.reference = state, reference
       self._step = jax.jit(self._functional_step, donate_argnums=(0,))
     else:
       state_shardings = sharding.state_shardings(state, mesh, rules)
+      reference_shardings = None if reference is None else sharding.state_shardings(reference, mesh, rules)
       self.state = jax.device_put(state, state_shardings)
+      self.reference = None if reference is None else jax.device_put(reference, reference_shardings)
       self._batch_sharding = sharding.batch_sharding(mesh, rules)
       self._step = jax.jit(
           self._functional_step, donate_argnums=(0,),
-          in_shardings=(state_shardings, self._batch_sharding, sharding.replicated(mesh)),
+          in_shardings=(state_shardings, self._batch_sharding, sharding.replicated(mesh), reference_shardings),
           out_shardings=(state_shardings, sharding.replicated(mesh)))
 
-  def _functional_step(self, state, batch, rng):
+  def _functional_step(self, state, batch, rng, reference_state=None):
     models = nnx.merge(self.graphdef, state)
-    metrics = _train_step(models, batch, rng, self.config)
+    reference = None if reference_state is None else nnx.merge(self._reference_graphdef, reference_state)
+    metrics = _train_step(models, batch, rng, self.config, reference)
     return nnx.state(models), metrics
 
   @property
@@ -190,5 +216,5 @@ class Learner:
     elif self.mesh is not None:
       batch = jax.device_put(batch, self._batch_sharding)
     self.rng, step_rng = jax.random.split(self.rng)
-    self.state, metrics = self._step(self.state, batch, step_rng)
+    self.state, metrics = self._step(self.state, batch, step_rng, self.reference)
     return metrics

@@ -412,6 +412,7 @@ class Trainer:
         "ratio_min": metrics["ratio_min"], "advantage_std": metrics["advantage_std"],
         "value_explained_variance": metrics["value_explained_variance"], "entropy": metrics["entropy"],
         "nonfinite_count": metrics["nonfinite_count"],
+        **({"kl_ref": metrics["kl_ref"]} if "kl_ref" in metrics else {}),
     }
 
   # --- saving -------------------------------------------------------------------------

@@ -86,6 +86,17 @@ def test_every_preset_runs_in_every_mode(tmp_path, preset, mode):
   assert all(r["value_loss"] is not None and r["grad_norm"] is not None for r in rows[1:])
 
 
+def test_a_kl_term_to_the_reference_trains_and_resumes(tmp_path):
+  """actor.kl_coef > 0 passed validation and then crashed the first update; now it trains, logs
+  kl_ref, and a resumed run rebuilds the same reference (it is not in the checkpoint)."""
+  config = make_config(actor=dict(kl_coef=0.05), trainer=dict(mode="sync", steps=2, eval_every=0))
+  _, _, rows = train(config, tmp_path)
+  assert rows[1]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[2]["kl_ref"] > 0
+  longer = make_config(actor=dict(kl_coef=0.05), trainer=dict(mode="sync", steps=3, eval_every=0))
+  _, _, rows = train(longer, tmp_path)
+  assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[3]["kl_ref"] > 0
+
+
 def test_resume_continues_the_version_numbering(tmp_path):
   config = make_config(trainer=dict(mode="async", max_staleness=1, steps=4, checkpoint_every=2))
   train(config, tmp_path)
