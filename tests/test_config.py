@@ -46,6 +46,25 @@ def test_bad_values_fail_at_load_time_with_field_value_and_allowed(mutate, messa
     config_lib.from_config_dict(raw)
 
 
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: setattr(c.trainer, "optimizer", "adamz"), r"config.trainer.optimizer must name an optax "
+                                                          r"optimizer .*; got 'adamz'"),
+    (lambda c: setattr(c.trainer, "optimizer_options", (("beta1", 0.9),)),
+     r"config.trainer.optimizer_options \{'beta1': 0.9\} do not fit optax.adamw .*its options: \['b1', 'b2'"),
+    (lambda c: setattr(c.rollout, "weight_transfer", "nfs"), r"config.rollout.weight_transfer must be"),
+    (lambda c: setattr(c.rollout, "server_platform", "gpu"), r"config.rollout.server_platform must be one of"),
+])
+def test_bad_training_values_fail_at_load_time(mutate, message):
+  from configs import default as train_default
+  raw = train_default.get_config()
+  mutate(raw)
+  with pytest.raises(ValueError, match=message):
+    config_lib.from_config_dict(raw)
+  good = train_default.get_config()
+  good.trainer.optimizer, good.trainer.optimizer_options = "lion", (("b1", 0.95),)
+  assert config_lib.from_config_dict(good).trainer.optimizer_options == (("b1", 0.95),)
+
+
 def test_wrong_type_and_unknown_field():
   raw = default.get_config().to_dict()
   raw["estimator"]["lam"] = "high"

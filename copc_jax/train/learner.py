@@ -15,6 +15,8 @@ Inside the step:
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +32,16 @@ from copc_jax.train.batch import TrajectoryBatch
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+  """Gradient clipping, then the optax transform `name` with the learning-rate schedule and
+  `options` (its other arguments, as (name, value) pairs), e.g. name="adamw",
+  options=(("b2", 0.95), ("weight_decay", 0.01))."""
+
   learning_rate: float = 1e-5
-  weight_decay: float = 0.0
   max_grad_norm: float = 1.0
   warmup_steps: int = 0
   decay_steps: int = 0        # cosine decay to 10% after warm-up; 0 keeps the rate constant
-  b1: float = 0.9
-  b2: float = 0.999
+  name: str = "adamw"
+  options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
     if self.learning_rate <= 0:
@@ -45,6 +50,16 @@ class OptimizerConfig:
       raise ValueError(f"max_grad_norm must be > 0; got {self.max_grad_norm}")
     if self.warmup_steps < 0 or self.decay_steps < 0:
       raise ValueError("warmup_steps and decay_steps must be >= 0")
+    transform = getattr(optax, self.name, None)
+    if not callable(transform) or "learning_rate" not in inspect.signature(transform).parameters:
+      raise ValueError(f"optimizer must name an optax optimizer that takes a learning_rate (e.g. adamw, adam, "
+                       f"sgd, lion, adafactor); got {self.name!r}")
+    try:
+      inspect.signature(transform).bind(learning_rate=self.learning_rate, **dict(self.options))
+    except TypeError as err:
+      allowed = [p for p in inspect.signature(transform).parameters if p != "learning_rate"]
+      raise ValueError(f"optimizer_options {dict(self.options)} do not fit optax.{self.name} ({err}); its "
+                       f"options: {allowed}") from None
 
   def schedule(self) -> optax.Schedule:
     if self.decay_steps:
@@ -57,8 +72,7 @@ class OptimizerConfig:
 
   def make(self) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(self.max_grad_norm),
-                       optax.adamw(self.schedule(), b1=self.b1, b2=self.b2,
-                                   weight_decay=self.weight_decay))
+                       getattr(optax, self.name)(learning_rate=self.schedule(), **dict(self.options)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -85,6 +86,8 @@ class TrainerConfig:
   critic_learning_rate: float = 1e-3
   max_grad_norm: float = 1.0
   warmup_steps: int = 0
+  optimizer: str = "adamw"                            # any optax optimizer, by name ...
+  optimizer_options: tuple[tuple[str, Any], ...] = ()  # ... and its other arguments: (("b2", 0.95),)
   progress_bar: bool = True
 
   def __post_init__(self):
@@ -106,6 +109,8 @@ class TrainerConfig:
     for name in ("actor_learning_rate", "critic_learning_rate", "max_grad_norm"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+    OptimizerConfig(learning_rate=self.actor_learning_rate, name=self.optimizer,
+                    options=self.optimizer_options)       # an unknown optimizer or option: one line now
 
 
 class TrainingError(RuntimeError):
@@ -223,7 +228,8 @@ class Trainer:
   def _learner_config(self) -> LearnerConfig:
     c = self.cfg
     make_opt = lambda lr: OptimizerConfig(learning_rate=lr, max_grad_norm=c.max_grad_norm,
-                                          warmup_steps=c.warmup_steps)
+                                          warmup_steps=c.warmup_steps, name=c.optimizer,
+                                          options=c.optimizer_options)
     return LearnerConfig(estimator=self.config.estimator, actor=self.config.actor, value=self.config.value,
                          actor_optimizer=make_opt(c.actor_learning_rate),
                          critic_optimizer=make_opt(c.critic_learning_rate),

@@ -17,11 +17,23 @@ def make_learner(preset="copc", lr=1e-3, mesh=None, **kw):
   actor = Decoder(config, rngs=nnx.Rngs(0))
   critic = ValueModel.from_policy(actor, rngs=nnx.Rngs(1))
   p = presets.get_preset(preset)
-  learner_config = LearnerConfig(
-      estimator=p.estimator, actor=p.actor, actor_optimizer=OptimizerConfig(learning_rate=lr),
-      critic_optimizer=OptimizerConfig(learning_rate=lr), **kw)
+  kw.setdefault("actor_optimizer", OptimizerConfig(learning_rate=lr))
+  kw.setdefault("critic_optimizer", OptimizerConfig(learning_rate=lr))
+  learner_config = LearnerConfig(estimator=p.estimator, actor=p.actor, **kw)
   batch = random_batch(actor, batch_size=8, prompt_length=6, response_length=14, seed=3)
   return Learner(actor, critic, learner_config, mesh=mesh), batch
+
+
+def test_the_optimizer_is_any_optax_optimizer_by_name():
+  config = OptimizerConfig(learning_rate=1e-2, name="sgd", options=(("momentum", 0.9),))
+  learner, batch = make_learner(actor_optimizer=config, critic_optimizer=config)
+  first = learner.train_step(batch)
+  # SGD's first step moves the weights by exactly lr × the (clipped) gradient; AdamW's would not.
+  clipped = min(float(first["actor_grad_norm"]), 1.0)
+  assert float(first["actor_update_norm"]) == pytest.approx(1e-2 * clipped, rel=1e-4)
+  for _ in range(4):
+    last = learner.train_step(batch)
+  assert float(last["value_loss"]) < float(first["value_loss"])
 
 
 def test_losses_decrease_on_a_fixed_batch():
