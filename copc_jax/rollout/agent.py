@@ -114,7 +114,8 @@ def continue_episode(generate: GenerateFn, trajectory: Trajectory, *, tool: Tool
         return trajectory
       if seed is not None:
         sampling["seed"] = request_seed(seed, turn)
-      out = generate(context, room, stop_sequences=[end], **sampling)
+      # A task without a tool call marker (plain single-turn generation) sends no stop sequence.
+      out = generate(context, room, stop_sequences=[end] if end else [], **sampling)
       trajectory.append(out.token_ids, generated=True, logprobs=out.logprobs, versions=out.versions)
       trajectory.num_turns = turn + 1
       trajectory.finish_reason = out.finish_reason

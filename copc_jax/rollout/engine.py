@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +223,7 @@ class CopcEngine(engine_api.Engine):
     self.pending_sampling = threading.local()   # set by the driver's prefill thread per request
     self.slot_stops = SlotStops(max_concurrent_decodes)
     self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
+    self.compile_s = {"prefill": 0.0, "generate": 0.0, "insert": 0.0}   # calls that traced: compile + run
     self._prefill_jit = jax.jit(self._prefill_impl)
     self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
@@ -287,8 +289,8 @@ class CopcEngine(engine_api.Engine):
     if existing_prefix is not None:
       raise NotImplementedError("prefix continuation is not supported")
     weights, version = params.get()
-    keys, values, last_logits = self._prefill_jit(weights, jnp.asarray(padded_tokens, jnp.int32),
-                                                  jnp.int32(true_length))
+    keys, values, last_logits = self._timed("prefill", self._prefill_jit, weights,
+                                            jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
     options = getattr(self.pending_sampling, "options", None) or SamplingOptions()
     seed = options.seed if options.seed is not None else self._unseeded_requests()
     p = options.params
@@ -298,6 +300,15 @@ class CopcEngine(engine_api.Engine):
                   key_data=jax.random.key_data(jax.random.key(np.uint32(seed))),
                   stop_sequences=options.stop_sequences)
 
+  def _timed(self, name: str, jitted, *args):
+    """Call `jitted`; a call that traced (compiled) adds its wall time to `compile_s[name]`."""
+    traces, start = self.trace_counts[name], time.perf_counter()
+    out = jitted(*args)
+    if self.trace_counts[name] != traces:
+      jax.block_until_ready(out)
+      self.compile_s[name] += time.perf_counter() - start
+    return out
+
   def _unseeded_requests(self) -> int:
     """A seed for a request that brought none (the stock `Decode` path): the server's own stream."""
     with self._seed_lock:
@@ -305,11 +316,11 @@ class CopcEngine(engine_api.Engine):
 
   def insert(self, prefix, decode_state, slot):
     self.slot_stops.start(slot, prefix.stop_sequences)
-    return self._insert_jit(prefix, decode_state, jnp.int32(slot))
+    return self._timed("insert", self._insert_jit, prefix, decode_state, jnp.int32(slot))
 
   def generate(self, params, decode_state):
     weights, version = params.get_for_device()
-    state, data = self._generate_jit(weights, decode_state, version)
+    state, data = self._timed("generate", self._generate_jit, weights, decode_state, version)
     return state, engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
                                           length_idx=(2, 3), samples_per_slot=1)
 

@@ -26,6 +26,7 @@ import dataclasses
 import json
 
 import grpc
+import jax
 import numpy as np
 from safetensors.flax import load as load_safetensors_bytes
 
@@ -180,6 +181,7 @@ class RolloutService:
             "max_prefill_length": engine.max_prefill_length, "max_length": engine.max_length,
             "compilations": dict(engine.trace_counts), "weight_swaps": dict(self._swaps),
             "mesh": {name: int(size) for name, size in engine.mesh.shape.items()},
+            "compile_s": {name: round(s, 3) for name, s in engine.compile_s.items()}, "memory": memory(),
             "model": json.loads(json.dumps(dataclasses.asdict(engine.config)))}
 
   def handler(self) -> grpc.GenericRpcHandler:
@@ -193,6 +195,19 @@ class RolloutService:
         "Status": grpc.unary_unary_rpc_method_handler(
             self.status, request_deserializer=requests.parse_json, response_serializer=_to_json),
     })
+
+
+def memory() -> dict:
+  """This process's resident memory now and at peak (Linux /proc), and each device's bytes in use
+  where JAX reports them (accelerators; the CPU backend does not)."""
+  fields = {}
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(("VmRSS:", "VmHWM:")):
+        fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+  devices = {str(d): (d.memory_stats() or {}).get("bytes_in_use") for d in jax.local_devices()}
+  return {"resident_bytes": fields.get("VmRSS"), "peak_resident_bytes": fields.get("VmHWM"),
+          "device_bytes_in_use": {k: v for k, v in devices.items() if v is not None}}
 
 
 async def serve(engine: CopcEngine, port: int, host: str = "127.0.0.1", ready_file: str | None = None):

@@ -99,3 +99,16 @@ def test_episode_against_a_real_server_logprobs_match_the_learner(served):
   recomputed = np.asarray(sampling.sampling_logprobs(model(context), context, temperature=0.01))[0]
   generated = np.array([False] * len(prompt) + t.mask)
   np.testing.assert_allclose(np.array(t.logprobs)[np.array(t.mask)], recomputed[generated], atol=1e-4)
+
+
+def test_plain_single_turn_generation_without_a_tool_marker(served):
+  """A task with no tool call marker: one turn, no stop sequence sent (the server refuses an empty
+  one), the tool never runs; and the server's Status reports compile times and memory."""
+  _, client = served
+  ran_tool = []
+  t = agent.run_episode(client.generate, [1, 30, 31], tool=lambda turn: ran_tool.append(turn) or [],
+                        tool_call_end=[], max_turns=3, max_tokens_per_turn=8, seed=4)
+  assert t.num_turns == 1 and all(t.mask) and not ran_tool and t.finish_reason in ("stop", "length")
+  status = client.status()
+  assert all(status["compile_s"][name] > 0 for name in ("prefill", "insert", "generate"))
+  assert 0 < status["memory"]["resident_bytes"] <= status["memory"]["peak_resident_bytes"]
