@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from safetensors.numpy import save as save_safetensors_bytes
 from safetensors.numpy import save_file
 
 from copc_jax import sharding
@@ -206,10 +207,8 @@ def _load_tokenizer(path: str):
   return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def save_pretrained(model: Decoder, path: str, *, tokenizer=None, dtype=np.float32) -> None:
-  """Write `config.json` and `model.safetensors` (and the tokenizer) in Hugging Face's format."""
-  os.makedirs(path, exist_ok=True)
-  model.config.to_hf().save_pretrained(path)
+def hf_tensors(model: Decoder, dtype=np.float32) -> dict[str, np.ndarray]:
+  """The model's weights under their Hugging Face names and layouts, on the host."""
   state = nnx.state(model, nnx.Param)
   flat = {_path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(
       state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
@@ -217,6 +216,18 @@ def save_pretrained(model: Decoder, path: str, *, tokenizer=None, dtype=np.float
   for hf_name, (ours, transpose) in hf_parameter_names(model.config).items():
     value = np.asarray(jax.device_get(flat[ours][...]), dtype)
     tensors[hf_name] = np.ascontiguousarray(value.T if transpose else value)
-  save_file(tensors, os.path.join(path, SAFETENSORS_SINGLE), metadata={"format": "pt"})
+  return tensors
+
+
+def safetensors_bytes(model: Decoder, dtype=np.float32) -> bytes:
+  """The bytes of the `model.safetensors` that `save_pretrained` writes, without the disk."""
+  return save_safetensors_bytes(hf_tensors(model, dtype), metadata={"format": "pt"})
+
+
+def save_pretrained(model: Decoder, path: str, *, tokenizer=None, dtype=np.float32) -> None:
+  """Write `config.json` and `model.safetensors` (and the tokenizer) in Hugging Face's format."""
+  os.makedirs(path, exist_ok=True)
+  model.config.to_hf().save_pretrained(path)
+  save_file(hf_tensors(model, dtype), os.path.join(path, SAFETENSORS_SINGLE), metadata={"format": "pt"})
   if tokenizer is not None:
     tokenizer.save_pretrained(path)

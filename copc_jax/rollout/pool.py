@@ -59,12 +59,15 @@ class _Server:
     self.pushed = False          # has taken a push from this pool (before: its versions are another run's)
     self.lock = threading.Lock()
 
-  def push(self, path: str, version: int, transfer: str) -> None:
-    """`path` by name ("path": the server reads it) or streamed from this machine ("stream")."""
-    if transfer == "stream":
-      self.client.update_weights_file(os.path.join(path, SAFETENSORS_SINGLE), version, reset=not self.pushed)
+  def push(self, source: str | bytes, version: int, transfer: str) -> None:
+    """`source`: safetensors bytes (streamed), or a directory by name ("path": the server reads it)
+    or streamed from this machine's disk ("stream")."""
+    if isinstance(source, bytes):
+      self.client.update_weights_bytes(source, version, reset=not self.pushed)
+    elif transfer == "stream":
+      self.client.update_weights_file(os.path.join(source, SAFETENSORS_SINGLE), version, reset=not self.pushed)
     else:
-      self.client.update_weights(path, version, reset=not self.pushed)
+      self.client.update_weights(source, version, reset=not self.pushed)
     self.pushed = True
 
 
@@ -83,7 +86,7 @@ class RolloutPool:
     self.max_in_flight, self.max_retries = max_in_flight, max_retries
     self.ready_timeout_s = ready_timeout_s
     self._cond = threading.Condition()
-    self._latest_weights: tuple[str, int] | None = None
+    self._latest_weights: tuple[str | bytes, int] | None = None     # for servers that missed it
     self._closed = False
     if addresses is not None:
       self.servers = [_Server(a, None) for a in addresses]
@@ -214,7 +217,16 @@ class RolloutPool:
 
   def update_weights(self, path: str, version: int) -> None:
     """Push a `save_pretrained` directory to every server as `version` (servers restarted later get it too)."""
-    self._latest_weights = (path, version)
+    self._push_to_all(path, version)
+
+  def update_weights_bytes(self, payload: bytes, version: int) -> None:
+    """Stream one safetensors file's bytes (held in memory, nothing on disk) to every server as `version`."""
+    self._push_to_all(payload, version)
+
+  def _push_to_all(self, source: str | bytes, version: int) -> None:
+    self._latest_weights = (source, version)
+    described = (f"{len(source)} bytes in memory" if isinstance(source, bytes)
+                 else f"{self.weight_transfer} {source}")
 
     def push(server: _Server) -> None:
       if server.process is not None and not server.process.alive():
@@ -226,13 +238,13 @@ class RolloutPool:
         self._on_hung(server)       # it gets these weights when it answers again
         return
       try:
-        server.push(path, version, self.weight_transfer)
+        server.push(source, version, self.weight_transfer)
       except grpc.RpcError as err:
         if err.code() not in RETRYABLE:
           hint = (" A server that does not share this machine's filesystem needs weight_transfer='stream' "
-                  "(config.rollout.weight_transfer)." if self.weight_transfer == "path" else "")
+                  "(config.rollout.weight_transfer)." if described.startswith("path") else "")
           raise WeightPushError(f"rollout server {server.address} refused weights version {version} "
-                                f"({self.weight_transfer} {path}): {err.details()}.{hint}") from err
+                                f"({described}): {err.details()}.{hint}") from err
         self._handle_failure(server)    # a restarted local server gets these weights as it starts
 
     with ThreadPoolExecutor(len(self.servers)) as executor:

@@ -35,7 +35,8 @@ class RolloutBackend(Protocol):
     """Sampling: temperature, top_p, top_k, stop_sequences, seed (see `copc_jax.sampling`)."""
 
   def update_weights(self, path: str, version: int) -> None:
-    """Serve the `save_pretrained` directory `path` as `version` from now on (versions increase)."""
+    """Serve the `save_pretrained` directory `path` as `version` from now on (versions increase).
+    (`rollout.weight_transfer = "memory"` also needs `update_weights_bytes(payload, version)`.)"""
 
   def close(self) -> None:
     """Release servers and connections."""

@@ -259,7 +259,8 @@ class Trainer:
     _say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
     try:
       common = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
-                    lost_timeout_s=c.lost_timeout_s, weight_transfer=c.weight_transfer)
+                    lost_timeout_s=c.lost_timeout_s,
+                    weight_transfer="stream" if c.weight_transfer == "memory" else c.weight_transfer)
       if addresses:
         return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **common)
       # Servers start on the base weights as version -1; every version the learner
@@ -292,7 +293,8 @@ class Trainer:
         runner = rollouts.EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
                                         seed=(self.config.seed, jax.process_index()))
         weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
-                              pushes=not self.config.rollout.addresses or multihost.is_chief())
+                              pushes=not self.config.rollout.addresses or multihost.is_chief(),
+                              in_memory=self.config.rollout.weight_transfer == "memory")
         saved = self._process_record()
         source = make_batch_source(self.cfg, runner, self._prompts(runner, saved.get("data", {})), weights,
                                    lambda: self.learner.actor, self.timer, batch_size=self.local_batch_size,
@@ -330,7 +332,8 @@ class Trainer:
       self._check_servers(backend)
     eval_runner = rollouts.EpisodeRunner(backend.generate if backend else None, self.task, self.tokenizer,
                                          self.config.rollout, seed=runner.seed)
-    eval_weights = WeightStore(weights.directory, backend, pushes=backend is not None)
+    eval_weights = WeightStore(weights.directory, backend, pushes=backend is not None,
+                               in_memory=weights.in_memory)
     return Evaluator(eval_runner, records, eval_weights, self.config.rollout.concurrency)
 
   def _train(self, source, evaluator, logger) -> None:

@@ -30,18 +30,27 @@ class WeightsGone(RuntimeError):
 
 
 class WeightStore:
-  def __init__(self, directory: str, backend: RolloutBackend, *, pushes: bool = True):
-    self.directory, self.backend, self.pushes = directory, backend, pushes
+  def __init__(self, directory: str, backend: RolloutBackend, *, pushes: bool = True, in_memory: bool = False):
+    """`in_memory`: a version pushed with the learner's weights at hand goes to the servers as bytes
+    serialized in memory (`update_weights_bytes`), never through the disk; versions pushed later
+    (lag mode) are still saved and pushed from `directory`."""
+    self.directory, self.backend, self.pushes, self.in_memory = directory, backend, pushes, in_memory
     self.served: int | None = None          # the version the servers hold (None: the base weights)
 
   def path(self, version: int) -> str:
     return os.path.join(self.directory, f"v{version}")
 
-  def save(self, version: int, actor: Decoder) -> None:
+  @staticmethod
+  def _whole(actor: Decoder) -> Decoder:
+    """The actor with every weight on this host (all processes take part when there are several)."""
     if jax.process_count() > 1:    # a separate host copy: the learner's own arrays stay where they are
       params = multihost.fully_replicated_host_copy(nnx.state(actor, nnx.Param))
       actor = nnx.eval_shape(lambda: Decoder(actor.config, rngs=nnx.Rngs(0)))
       nnx.update(actor, params)
+    return actor
+
+  def save(self, version: int, actor: Decoder) -> None:
+    actor = self._whole(actor)
     if multihost.is_chief():
       checkpoint.write_atomically(self.path(version), lambda tmp: hf_io.save_pretrained(actor, tmp))
     multihost.barrier(f"weights v{version}")
@@ -49,6 +58,13 @@ class WeightStore:
   def push(self, version: int, actor: Decoder | None = None) -> None:
     """Serve `version`; `actor` (the learner's weights of that version) saves it if it is not on disk."""
     if self.served == version:
+      return
+    if self.in_memory and actor is not None and not os.path.exists(self.path(version)):
+      actor = self._whole(actor)
+      if self.pushes:
+        self.backend.update_weights_bytes(hf_io.safetensors_bytes(actor), version)
+      multihost.barrier(f"push v{version}")
+      self.served = version
       return
     if not os.path.exists(self.path(version)):
       if actor is None:

@@ -151,10 +151,11 @@ def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_
   from copc_jax.rollout.client import RolloutClient
 
   tiny.make_tiny_checkpoint(str(tmp_path / "model"))
-  for name in ("by_path", "streamed"):
+  hide = ["bwrap", "--dev-bind", "/", "/"]
+  for name in ("by_path", "streamed", "in_memory"):
     (tmp_path / name).mkdir()
-  hide = ("bwrap", "--dev-bind", "/", "/", "--tmpfs", str(tmp_path / "by_path"), "--tmpfs",
-          str(tmp_path / "streamed"), "--")
+    hide += ["--tmpfs", str(tmp_path / name)]
+  hide = (*hide, "--")
   server = ServerProcess(str(tmp_path / "model"), slots=4, max_prefill_length=64, max_length=128, version=-1,
                          launcher=hide)
   address = server.wait_ready()
@@ -173,6 +174,15 @@ def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_
     status = client.status()
     assert status["weight_swaps"] == {"UpdateWeights": 0, "UpdateWeightsBytes": status["version"] + 1}
     assert status["version"] == 3
+    # "memory": the same, and nothing goes through the learner's disk either.
+    rollout = dataclasses.replace(config.rollout, weight_transfer="memory")
+    trainer.Trainer(dataclasses.replace(config, rollout=rollout), str(tmp_path / "in_memory")).run()
+    rows = metrics.read_metrics(str(tmp_path / "in_memory"))
+    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
+    weights = tmp_path / "in_memory" / "weights"
+    assert not weights.exists() or not any(weights.iterdir())
+    swaps = client.status()["weight_swaps"]
+    assert swaps["UpdateWeightsBytes"] == status["weight_swaps"]["UpdateWeightsBytes"] + 4
   finally:
     client.close()
     server.stop()
