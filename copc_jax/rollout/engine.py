@@ -224,9 +224,14 @@ class CopcEngine(engine_api.Engine):
     self.slot_stops = SlotStops(max_concurrent_decodes)
     self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
     self.compile_s = {"prefill": 0.0, "generate": 0.0, "insert": 0.0}   # calls that traced: compile + run
+    # The decode state keeps one placement across calls (else a state coming out of `generate` would
+    # differ from a fresh one and `insert` would compile again).
+    state_shardings = jax.tree.map(lambda x: x.sharding, self.init_decode_state())
+    replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
     self._prefill_jit = jax.jit(self._prefill_impl)
-    self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
-    self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
+    self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
+    self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,),
+                                 out_shardings=(state_shardings, replicated))
 
   def model_like(self) -> Decoder:
     """A model with the served structure (weights to be overwritten), for loading updates."""
@@ -336,7 +341,8 @@ class CopcEngine(engine_api.Engine):
     put = lambda x: jax.device_put(x, replicated)
     cache = KVCache.create(self.config, batch=s, max_length=self._max_length)
     cache = cache.replace(keys=jax.device_put(cache.keys, self.cache_sharding()),
-                          values=jax.device_put(cache.values, self.cache_sharding()), valid=put(cache.valid))
+                          values=jax.device_put(cache.values, self.cache_sharding()), valid=put(cache.valid),
+                          index=put(cache.index))
     return DecodeState(
         cache=cache,
         lengths=put(jnp.zeros((s,), jnp.int32)), generated=put(jnp.zeros((s,), jnp.int32)),

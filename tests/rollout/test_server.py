@@ -352,6 +352,9 @@ def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(che
   assert len(kernel.sharding.device_set) == tensor_parallelism
   expected_tokens, expected_logprobs, _ = engine_decode(single, prompts, steps=20)
   tokens, logprobs, state = engine_decode(sharded, prompts, steps=20)
+  prefix = sharded.prefill(params=sharded.load_params(), padded_tokens=np.ones(16, np.int32), true_length=3)
+  state = sharded.insert(prefix, state, 0)              # into a state that came out of generate
+  assert sharded.trace_counts == {"prefill": 1, "insert": 1, "generate": 1}
   np.testing.assert_array_equal(tokens, expected_tokens)
   np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-5)
   kv_split = model.config.num_kv_heads % tensor_parallelism == 0
