@@ -52,3 +52,17 @@ def test_advantage_staleness_end_to_end(tmp_path):
   shutil.copy(os.path.join(ROOT, "experiments", "advantage_staleness", "README.md"), here / "README.md")
   module.render(results, here=str(here))
   assert (here / "advantage_error.png").exists() and "GAE λ = 0.8" in (here / "README.md").read_text()
+
+
+def test_exact_decomposition_end_to_end(tmp_path):
+  """One tree per drift: on-policy every method is unbiased, and unclipped COPC is at every drift."""
+  out = tmp_path / "exact.json"
+  result = subprocess.run([sys.executable, "experiments/exact_decomposition/run.py", "--trees", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  for row in rows.values():
+    if row["drift"] == 0.0 or row["method"] == "copc_unclipped":
+      assert abs(row["bias_total"]["mean"]) < 1e-5, row
+  at_drift_one = [r for r in rows.values() if r["drift"] == 1.0 and r["method"] == "decoupled_ppo"]
+  assert all(r["bias_total"]["mean"] > 0.1 for r in at_drift_one)          # policy-side leaves bias
