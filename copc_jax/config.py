@@ -99,9 +99,23 @@ def _as_tuple(value):
   return tuple(_as_tuple(v) for v in value) if isinstance(value, list | tuple) else value
 
 
+def _number_tuple(value):
+  """A tuple of numbers written on the command line, e.g. '(0.0, inf)' (ml_collections hands it over
+  as a string, or a 1-tuple of one): its numbers, `inf` included; None if it is not one."""
+  text = value[0] if isinstance(value, tuple) and len(value) == 1 and isinstance(value[0], str) else value
+  if not isinstance(text, str):
+    return None
+  try:
+    return tuple(float(part) for part in text.strip().strip("()[]").split(",") if part.strip())
+  except ValueError:
+    return None
+
+
 def _coerce(path: str, value, default):
   """`value` with the type of the field's default (int → float, list → tuple), or an error."""
   value = _as_tuple(value)
+  if isinstance(default, tuple) and default and all(isinstance(d, float | int) for d in default):
+    value = _number_tuple(value) or value
   if default is None or isinstance(value, type(default)) and not (
       isinstance(value, bool) and not isinstance(default, bool)):
     return value

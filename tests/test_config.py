@@ -109,3 +109,15 @@ def test_sharding_rules_come_from_the_config():
   raw.sharding.rules = (("embed", "model"),)
   with pytest.raises(ValueError, match="config.sharding.rules: logical axis 'embed' maps to unknown"):
     config_lib.from_config_dict(raw)
+
+
+def test_number_pairs_from_the_command_line_accept_inf():
+  """ml_collections hands '--config.estimator.rho_clip=(0.0, inf)' over as a string in a 1-tuple."""
+  raw = default.get_config()
+  raw.estimator.rho_clip = ("(0.0, inf)",)
+  raw.actor.mask_range = ("(0.5, 1e9)",)
+  config = config_lib.from_config_dict(raw)
+  assert config.estimator.rho_clip == (0.0, float("inf")) and config.actor.mask_range == (0.5, 1e9)
+  raw.estimator.rho_clip = ("(0.5, x)",)
+  with pytest.raises(ValueError, match=r"config.estimator.rho_clip must be a tuple like \(0.5, 2.0\)"):
+    config_lib.from_config_dict(raw)
