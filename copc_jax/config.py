@@ -116,6 +116,8 @@ def _coerce(path: str, value, default):
   value = _as_tuple(value)
   if isinstance(default, tuple) and default and all(isinstance(d, float | int) for d in default):
     value = _number_tuple(value) or value
+    if not (isinstance(value, tuple) and all(isinstance(v, float | int) for v in value)):
+      raise ValueError(f"{path} must be a tuple like {default!r}; got {value!r}")
   if default is None or isinstance(value, type(default)) and not (
       isinstance(value, bool) and not isinstance(default, bool)):
     return value
