@@ -47,7 +47,8 @@ def test_rollout_benchmark_runs_with_one_server():
        "--rounds=1", "--servers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
       env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
-  assert "1 server(s) via gRPC" in result.stdout
+  assert "on-device generation (reference)" in result.stdout and "1 server(s) via gRPC" in result.stdout
+  assert result.stdout.count("× reference") == 2
 
 
 def test_loop_cost_script_runs_and_its_recurrence_is_right():
