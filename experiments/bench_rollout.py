@@ -13,6 +13,7 @@ end early on EOS); ratios are against the on-device reference.
 """
 
 import argparse
+import resource
 import tempfile
 import time
 
@@ -139,7 +140,11 @@ def main():
                        max_prefill_length=32, max_length=max_length) as pool:
         rate = served_tokens_per_s(pool, n * args.slots, args.prompt, args.new_tokens,
                                    model.config.vocab_size, args.rounds)
-      print(f"{n} server(s) via gRPC:            {rate:8.1f} tokens/s   ({rate / reference:.2f}× reference)")
+        peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
+      print(f"{n} server(s) via gRPC:            {rate:8.1f} tokens/s   ({rate / reference:.2f}× reference); "
+            f"peak memory per server: {', '.join(f'{p:.2f}' for p in peaks)} GiB")
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  print(f"peak memory of this process (the reference loops): {peak:.2f} GiB")
 
 
 if __name__ == "__main__":
