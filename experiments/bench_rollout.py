@@ -120,6 +120,8 @@ def main():
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument("--decode-steps", type=int, nargs="+", default=[1, 4],
+                      help="tokens per slot per engine call on the servers")
   args = parser.parse_args()
   max_length = 128
   with tempfile.TemporaryDirectory() as tmp:
@@ -135,14 +137,16 @@ def main():
     bare = bare_decode_tokens_per_s(model, args.slots, args.prompt, args.new_tokens, max_length,
                                     args.rounds)
     print(f"Python loop of the jitted step:   {bare:8.1f} tokens/s   ({bare / reference:.2f}× reference)")
-    for n in args.servers:
-      with RolloutPool(tmp, num_servers=n, max_in_flight=args.slots, slots=args.slots,
-                       max_prefill_length=32, max_length=max_length) as pool:
-        rate = served_tokens_per_s(pool, n * args.slots, args.prompt, args.new_tokens,
-                                   model.config.vocab_size, args.rounds)
-        peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
-      print(f"{n} server(s) via gRPC:            {rate:8.1f} tokens/s   ({rate / reference:.2f}× reference); "
-            f"peak memory per server: {', '.join(f'{p:.2f}' for p in peaks)} GiB")
+    for steps in args.decode_steps:
+      for n in args.servers:
+        with RolloutPool(tmp, num_servers=n, max_in_flight=args.slots, slots=args.slots,
+                         max_prefill_length=32, max_length=max_length, decode_steps=steps) as pool:
+          rate = served_tokens_per_s(pool, n * args.slots, args.prompt, args.new_tokens,
+                                     model.config.vocab_size, args.rounds)
+          peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
+        print(f"{n} server(s) via gRPC, {steps} step(s)/call: {rate:8.1f} tokens/s   "
+              f"({rate / reference:.2f}× reference); peak memory per server: "
+              f"{', '.join(f'{p:.2f}' for p in peaks)} GiB")
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak memory of this process (the reference loops): {peak:.2f} GiB")
 

@@ -44,10 +44,11 @@ def test_learner_benchmark_runs_on_the_tiny_config():
 def test_rollout_benchmark_runs_with_one_server():
   result = subprocess.run(
       [sys.executable, "experiments/bench_rollout.py", "--hidden=64", "--layers=1", "--new-tokens=8",
-       "--rounds=1", "--servers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env={**os.environ, "XLA_FLAGS": ""})
+       "--rounds=1", "--servers", "1", "--decode-steps", "4"], cwd=ROOT, capture_output=True, text=True,
+      timeout=600, env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
-  assert "on-device generation (reference)" in result.stdout and "1 server(s) via gRPC" in result.stdout
+  assert "on-device generation (reference)" in result.stdout
+  assert "1 server(s) via gRPC, 4 step(s)" in result.stdout
   assert result.stdout.count("× reference") == 2
 
 

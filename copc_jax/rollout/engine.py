@@ -205,9 +205,17 @@ def serving_mesh(tensor_parallelism: int = 1, devices=None):
 
 class CopcEngine(engine_api.Engine):
   def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 4, max_prefill_length: int = 64,
-               max_length: int = 256, tokenizer=None, seed: int = 0, version: int = 0, mesh=None):
+               max_length: int = 256, tokenizer=None, seed: int = 0, version: int = 0, mesh=None,
+               decode_steps: int = 1):
     """`mesh`: the devices to serve on (`serving_mesh`; default: the first device alone). Weights are
-    placed by `SERVING_RULES` and keep their placement across weight swaps."""
+    placed by `SERVING_RULES` and keep their placement across weight swaps. `decode_steps`: tokens
+    each `generate` call decodes per slot (a `lax.scan` on the device), so JetStream's loop and the
+    host pay their per-call cost once per that many tokens; a slot that finishes inside a call has its
+    extra tokens dropped by the result processing, and a new request waits at most that many steps
+    to be inserted. Tokens do not depend on it (a token's key is the request's key and its index)."""
+    if decode_steps < 1:
+      raise ValueError(f"decode_steps must be >= 1; got {decode_steps}")
+    self.decode_steps = decode_steps
     if max_prefill_length not in PREFILL_BUCKETS:
       raise ValueError(f"max_prefill_length must be one of {PREFILL_BUCKETS}; got {max_prefill_length}")
     if max_length <= max_prefill_length:
@@ -270,20 +278,28 @@ class CopcEngine(engine_api.Engine):
         key_data=state.key_data.at[slot].set(prefix.key_data))
 
   def _generate_impl(self, params, state: DecodeState, version):
+    """`decode_steps` sample + decode steps; data [slots, 5 × decode_steps]: per step the columns
+    token, valid, generated count, log-prob bits, version (`jetstream_compat.COLUMNS`)."""
     self.trace_counts["generate"] += 1
     model = nnx.merge(self._graphdef, params)
-    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.key_data), state.generated)
-    tokens, logprobs = sampling.sample(keys, state.logits, state.temperature, state.top_p, state.top_k)
-    # Free slots keep stepping on garbage; keep their writes inside the cache.
-    slots = jnp.minimum(state.lengths, self._max_length - 1)
-    logits, cache = model.decode_rows(tokens, slots, state.cache)
-    generated = state.generated + 1
-    data = jnp.stack([tokens.astype(jnp.int32), jnp.ones_like(generated), generated,
-                      jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32),
-                      state.logits_version], axis=1)
-    new_state = state.replace(cache=cache, lengths=state.lengths + 1, generated=generated,
-                              logits=logits, logits_version=jnp.full_like(state.logits_version, version))
-    return new_state, data
+
+    def step(state, _):
+      keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.key_data), state.generated)
+      tokens, logprobs = sampling.sample(keys, state.logits, state.temperature, state.top_p, state.top_k)
+      # Free slots keep stepping on garbage; keep their writes inside the cache.
+      slots = jnp.minimum(state.lengths, self._max_length - 1)
+      logits, cache = model.decode_rows(tokens, slots, state.cache)
+      generated = state.generated + 1
+      data = jnp.stack([tokens.astype(jnp.int32), jnp.ones_like(generated), generated,
+                        jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32),
+                        state.logits_version], axis=1)
+      return state.replace(cache=cache, lengths=state.lengths + 1, generated=generated, logits=logits,
+                           logits_version=jnp.full_like(state.logits_version, version)), data
+
+    if self.decode_steps == 1:
+      return step(state, None)
+    state, data = jax.lax.scan(step, state, None, length=self.decode_steps)     # data [steps, slots, 5]
+    return state, jnp.transpose(data, (1, 0, 2)).reshape(data.shape[1], -1)
 
   # --- Engine API ------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import numpy as np
 # Extra int32 columns that copc_jax's engine packs after token | valid | length.
 LOGPROB_COLUMN = 3   # float32 log-probability, bit-cast to int32
 VERSION_COLUMN = 4   # weights version that produced the token
+COLUMNS = 5          # per decode step: token, valid, length, log-prob bits, version
 FINISH_STOP, FINISH_LENGTH, FINISH_STOP_SEQUENCE = "stop", "length", "stop_sequence"
 
 _installed = False
@@ -74,36 +75,37 @@ def process_result_tokens(tokenizer, slot: int, slot_max_length: int, result_tok
   Unlike the stock function, a stop token is returned (with its log-probability)
   before the sample completes with finish reason "stop"; the last token of one of
   the request's stop sequences (a tool call) ends it with "stop_sequence"; reaching
-  `slot_max_length` tokens ends it with "length".
+  `slot_max_length` tokens ends it with "length". A row holds one or more decode
+  steps (`COLUMNS` columns each, `CopcEngine.decode_steps`); the tokens after the
+  one that completes a sample are dropped.
   """
   del debug
   rows = result_tokens.data[slot * result_tokens.samples_per_slot:
                             (slot + 1) * result_tokens.samples_per_slot]
-  tokens = rows[:, result_tokens.tokens_idx[0]]
-  valid = rows[:, result_tokens.valid_idx[0]]
-  lengths = rows[:, result_tokens.length_idx[0]]
-  logprobs = rows[:, LOGPROB_COLUMN].astype(np.int32).view(np.float32)
-  versions = rows[:, VERSION_COLUMN]
+  slot_stops = getattr(tokenizer, "slot_stops", None)
   samples = []
   complete = complete.copy()
   for i in range(len(rows)):
     sample = RLReturnSample(text=[], token_ids=[], logprobs=[], versions=[])
-    if not complete[i] and valid[i]:
-      token = int(tokens[i])
+    for step in range(rows.shape[1] // COLUMNS):
+      if complete[i]:
+        break
+      columns = rows[i, step * COLUMNS:(step + 1) * COLUMNS]
+      if not columns[result_tokens.valid_idx[0]]:
+        complete[i], sample.finish_reason = True, FINISH_STOP
+        break
+      token = int(columns[result_tokens.tokens_idx[0]])
       sample.token_ids.append(token)
-      sample.logprobs.append(float(logprobs[i]))
-      sample.versions.append(int(versions[i]))
+      sample.logprobs.append(float(np.array(columns[LOGPROB_COLUMN], np.int32).view(np.float32)))
+      sample.versions.append(int(columns[VERSION_COLUMN]))
       if not is_client_side_tokenization:
         sample.text.append(tokenizer.decode([token]))
-      slot_stops = getattr(tokenizer, "slot_stops", None)
       if token in tokenizer.stop_tokens:
         complete[i], sample.finish_reason = True, FINISH_STOP
       elif slot_stops is not None and slot_stops.push(slot, token):
         complete[i], sample.finish_reason = True, FINISH_STOP_SEQUENCE
-      elif lengths[i] >= slot_max_length:
+      elif columns[result_tokens.length_idx[0]] >= slot_max_length:
         complete[i], sample.finish_reason = True, FINISH_LENGTH
-    elif not complete[i]:
-      complete[i], sample.finish_reason = True, FINISH_STOP
     samples.append(sample)
   return samples, complete
 

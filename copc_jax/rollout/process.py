@@ -28,7 +28,8 @@ class ServerProcess:
 
   def __init__(self, checkpoint: str, *, slots: int = 4, max_prefill_length: int = 64,
                max_length: int = 256, seed: int = 0, version: int = 0, log_path: str | None = None,
-               platform: str = "cpu", tensor_parallelism: int = -1, launcher: tuple[str, ...] = ()):
+               platform: str = "cpu", tensor_parallelism: int = -1, decode_steps: int = 1,
+               launcher: tuple[str, ...] = ()):
     """`launcher`: a command prefix the server runs under (e.g. a container that sees other files)."""
     self._ready_dir = tempfile.TemporaryDirectory(prefix="copc_server_")
     self._ready_file = os.path.join(self._ready_dir.name, "port")
@@ -37,7 +38,7 @@ class ServerProcess:
                "--port=0",
                f"--slots={slots}", f"--max_prefill_length={max_prefill_length}",
                f"--max_length={max_length}", f"--seed={seed}", f"--version={version}",
-               f"--tensor_parallelism={tensor_parallelism}",
+               f"--tensor_parallelism={tensor_parallelism}", f"--decode_steps={decode_steps}",
                f"--ready_file={self._ready_file}", "--exit_with_parent"]
     self._log = open(self.log_path, "a")
     self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,

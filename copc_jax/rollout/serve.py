@@ -24,6 +24,7 @@ flags.DEFINE_string("tokenizer", None, "Directory with tokenizer files (default:
                     "them). Without one only token-id requests work; text prompts are refused.")
 flags.DEFINE_integer("tensor_parallelism", -1, "Devices of this host to serve on, the model split over them "
                      "(tensor parallel); -1: all of them.")
+flags.DEFINE_integer("decode_steps", 1, "Tokens decoded per slot in one engine call (on the device).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("version", 0, "Version of the initial weights.")
 flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
@@ -51,7 +52,8 @@ def main(argv):
                     "refused; token-id prompts work", FLAGS.checkpoint)
   engine = CopcEngine(model, max_concurrent_decodes=FLAGS.slots,
                       max_prefill_length=FLAGS.max_prefill_length, max_length=FLAGS.max_length,
-                      tokenizer=tokenizer, seed=FLAGS.seed, version=FLAGS.version, mesh=mesh)
+                      tokenizer=tokenizer, seed=FLAGS.seed, version=FLAGS.version, mesh=mesh,
+                      decode_steps=FLAGS.decode_steps)
   logging.info("serving %s on %s:%d over %s", FLAGS.checkpoint, FLAGS.host, FLAGS.port, dict(mesh.shape))
   if not FLAGS.log_steps:
     # JetStream 0.2.2 logs several INFO lines on the root logger for every decode step.

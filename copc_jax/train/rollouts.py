@@ -33,6 +33,7 @@ class RolloutConfig:
   eval_addresses: tuple[str, ...] = ()  # lag mode with remote servers: a server for evaluations
   server_platform: str = "cpu"          # JAX platform of the local servers ("" = this environment's)
   server_tensor_parallelism: int = -1   # devices each local server splits the model over (-1: all)
+  server_decode_steps: int = 1          # tokens each local server decodes per slot in one engine call
   weight_transfer: str = "path"         # "path": servers read each version from the workdir (shared
                                         # filesystem); "stream": its file's bytes go to them over gRPC;
                                         # "memory": bytes serialized in memory, nothing on disk (lag
@@ -55,6 +56,8 @@ class RolloutConfig:
   def __post_init__(self):
     if self.server_platform not in SERVER_PLATFORMS:
       raise ValueError(f"server_platform must be one of {SERVER_PLATFORMS}; got {self.server_platform!r}")
+    if self.server_decode_steps < 1:
+      raise ValueError(f"server_decode_steps must be >= 1; got {self.server_decode_steps}")
     if self.server_tensor_parallelism == 0 or self.server_tensor_parallelism < -1:
       raise ValueError(f"server_tensor_parallelism must be -1 (all devices) or >= 1; got "
                        f"{self.server_tensor_parallelism}")

@@ -62,6 +62,28 @@ def test_result_processing_keeps_logprobs_versions_and_the_stop_token():
   assert complete.all()
 
 
+def test_result_processing_of_several_decode_steps_per_row_stops_where_the_sample_does():
+  """A row of 3 decode steps per slot: tokens after the one that completes the sample are dropped."""
+  steps = [result(np.array([7, 9]), np.array([n, n]), [-0.1 * n, -0.2 * n], [4, 4]).data for n in (1, 2, 3)]
+  data = np.concatenate(steps, axis=1)
+  data[0, 5] = 2                                   # slot 0: EOS at the second step
+  rt = engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
+                               samples_per_slot=1)
+  samples, complete = jetstream_compat.process_result_tokens(
+      _Tokenizer(), slot=0, slot_max_length=10, result_tokens=rt, complete=np.zeros(1, bool),
+      is_client_side_tokenization=True)
+  assert samples[0].token_ids == [7, 2] and samples[0].finish_reason == "stop" and complete.all()
+  assert samples[0].logprobs == pytest.approx([-0.1, -0.2])
+  samples, complete = jetstream_compat.process_result_tokens(
+      _Tokenizer(), slot=1, slot_max_length=2, result_tokens=rt, complete=np.zeros(1, bool),
+      is_client_side_tokenization=True)
+  assert samples[0].token_ids == [9, 9] and samples[0].finish_reason == "length" and complete.all()
+  samples, complete = jetstream_compat.process_result_tokens(
+      _Tokenizer(), slot=1, slot_max_length=10, result_tokens=rt, complete=np.zeros(1, bool),
+      is_client_side_tokenization=True)
+  assert samples[0].token_ids == [9, 9, 9] and samples[0].finish_reason is None and not complete.any()
+
+
 def test_stock_proto_still_loads():
   request = jetstream_pb2.DecodeRequest(max_tokens=3)
   assert request.max_tokens == 3

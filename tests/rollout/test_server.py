@@ -328,11 +328,12 @@ def engine_decode(engine, prompts, steps, seed=5):
     prefix = engine.prefill(params=store, padded_tokens=padded, true_length=len(prompt))
     state = engine.insert(prefix, state, slot)
   tokens, logprobs = [], []
-  for _ in range(steps):
+  for _ in range(steps // engine.decode_steps):
     state, result = engine.generate(store, state)
     data = np.asarray(result.data)[:len(prompts)]
-    tokens.append(data[:, 0].tolist())
-    logprobs.append(data[:, 3].astype(np.int32).view(np.float32).tolist())
+    for step in range(engine.decode_steps):                  # 5 columns per decode step
+      tokens.append(data[:, 5 * step].tolist())
+      logprobs.append(data[:, 5 * step + 3].astype(np.int32).view(np.float32).tolist())
   return np.array(tokens), np.array(logprobs), state
 
 
@@ -384,6 +385,47 @@ def test_a_server_process_serves_over_all_devices_of_its_platform(checkpoint):
     out = client.generate([1, 40, 41], max_tokens=12, seed=3)
     model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
     np.testing.assert_allclose(out.logprobs, teacher_forced(model, [1, 40, 41], out.token_ids), atol=TOL)
+  finally:
+    client.close()
+    process.stop()
+
+
+@pytest.mark.parametrize("decode_steps", [3, 4])
+def test_several_decode_steps_per_call_give_the_same_tokens(checkpoint, decode_steps):
+  """`decode_steps` tokens per engine call (a scan on the device) change nothing in what is sampled."""
+  from copc_jax.rollout.engine import CopcEngine
+
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  make = lambda k: CopcEngine(model, max_concurrent_decodes=2, max_prefill_length=16, max_length=64,
+                              decode_steps=k)
+  prompts = [[1, 40, 41, 42], [1, 7, 8]]
+  expected_tokens, expected_logprobs, _ = engine_decode(make(1), prompts, steps=12)
+  engine = make(decode_steps)
+  tokens, logprobs, _ = engine_decode(engine, prompts, steps=12)
+  np.testing.assert_array_equal(tokens, expected_tokens)
+  np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-5)
+  assert engine.trace_counts["generate"] == 1
+
+
+def test_a_server_decoding_several_steps_per_call_stops_exactly(checkpoint, server):
+  """Through JetStream's loop with 4 tokens per call: the same seeded tokens as one per call, a stop
+  sequence or max_tokens that falls inside a call ends the generation exactly there."""
+  _, single = server
+  process = ServerProcess(checkpoint, slots=4, max_prefill_length=32, max_length=96, decode_steps=4)
+  client = RolloutClient(process.wait_ready())
+  try:
+    request = dict(token_ids=[1, 30, 31], max_tokens=11, temperature=1.0, seed=9)
+    expected = single.generate(**request)
+    out = client.generate(**request)
+    assert out.token_ids == expected.token_ids and out.finish_reason == expected.finish_reason
+    assert out.logprobs == pytest.approx(expected.logprobs, abs=1e-5) and len(out.token_ids) <= 11
+    if out.finish_reason == "length":
+      assert len(out.token_ids) == 11
+    long = client.generate(**{**request, "max_tokens": 40})
+    stop = [long.token_ids[5]]                                   # a stop inside the second call
+    cut = client.generate(**{**request, "max_tokens": 40, "stop_sequences": [stop]})
+    first = long.token_ids.index(stop[0])
+    assert cut.token_ids == long.token_ids[:first + 1] and cut.finish_reason == "stop_sequence"
   finally:
     client.close()
     process.stop()
