@@ -32,8 +32,11 @@ def processes_with(marker: str) -> list[int]:
 def my_bwrap_children() -> list[int]:
   children = []
   for task in os.listdir("/proc/self/task"):
-    with open(f"/proc/self/task/{task}/children") as f:
-      children += [int(p) for p in f.read().split()]
+    try:
+      with open(f"/proc/self/task/{task}/children") as f:
+        children += [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+      pass                # a thread that ended between the listing and the read has no children
   return [pid for pid in children if pid in processes_with("--unshare-all")]
 
 
