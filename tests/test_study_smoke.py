@@ -1,6 +1,5 @@
 """Tiny end-to-end runs of the study scripts that the runner test does not cover (real servers, tools)."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -8,16 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from test_studies_render import load  # a study's run.py as a module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load(study):
-  path = os.path.join(ROOT, "experiments", study, "run.py")
-  spec = importlib.util.spec_from_file_location(f"{study}_run", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def test_advantage_staleness_end_to_end(tmp_path):
