@@ -103,8 +103,22 @@ def true_gradients(tree: TreeMDP) -> tuple[np.ndarray, np.ndarray]:
   return grad_j, grad_is
 
 
-def _batch(tree: TreeMDP, actions: np.ndarray) -> synthetic.OffPolicyBatch:
-  """The trajectories as an estimator/loss batch: one row each, reward on the last token."""
+def sample_trajectories(tree: TreeMDP, num: int, seed: int = 0) -> np.ndarray:
+  """`num` action sequences drawn from the behaviour policy μ, [num, D]."""
+  rng = np.random.default_rng(seed)
+  mu = _softmax(tree.logits_mu)
+  actions = np.zeros((num, tree.depth), int)
+  node = np.zeros(num, int)
+  for t in range(tree.depth):
+    cumulative = np.cumsum(mu[node], axis=1)
+    actions[:, t] = (rng.random((num, 1)) > cumulative).sum(1)
+    node = tree.branching * node + 1 + actions[:, t]
+  return actions
+
+
+def as_batch(tree: TreeMDP, actions: np.ndarray) -> synthetic.OffPolicyBatch:
+  """The trajectories as an estimator/loss batch: one row each, reward on the last token, the critic's
+  values, log π and log μ of every action, and the exact A^π(s_t, a_t) in `true_advantages`."""
   nodes = states(tree, actions)
   take = lambda logits: np.log(_softmax(logits))[nodes, actions]
   v_pi, v_critic = node_values(tree, tree.logits_pi), node_values(tree, tree.logits_critic)
@@ -121,7 +135,7 @@ def _batch(tree: TreeMDP, actions: np.ndarray) -> synthetic.OffPolicyBatch:
 
 def _per_trajectory_terms(tree, actions, preset):
   """Per trajectory: the gradient of w·Â and of each bias term ([N, nodes·K] each), and Σ_t w_t²."""
-  batch = _batch(tree, actions)
+  batch = as_batch(tree, actions)
   advantages, _ = estimators.coupled_advantages(
       batch.rewards, batch.values, batch.logp_target, batch.logp_behavior, batch.mask,
       **preset.estimator.estimator_kwargs())
@@ -153,14 +167,7 @@ def decomposition(tree: TreeMDP, preset: str | presets.Preset, *, sample: int = 
   """
   preset = presets.get_preset(preset) if isinstance(preset, str) else preset
   if sample:
-    rng = np.random.default_rng(seed)
-    mu = _softmax(tree.logits_mu)
-    actions = np.zeros((sample, tree.depth), int)
-    node = np.zeros(sample, int)
-    for t in range(tree.depth):
-      cumulative = np.cumsum(mu[node], axis=1)
-      actions[:, t] = (rng.random((sample, 1)) > cumulative).sum(1)
-      node = tree.branching * node + 1 + actions[:, t]
+    actions = sample_trajectories(tree, sample, seed)
     probs = np.full(sample, 1.0 / sample)
   else:
     actions = all_trajectories(tree)

@@ -40,20 +40,25 @@ def with_latency(tool, median_s: float, seed: int, sigma: float = 1.0):
   return slow_tool
 
 
-def warm_start_of(warm_dir: str) -> str:
-  """The default config's warm-started model (built once in `warm_dir`, then cached)."""
-  config = config_lib.from_config_dict(default.get_config())
+def warm_start_of(warm_dir: str, warm_steps: int | None = None) -> str:
+  """The default config's warm-started model (built once in `warm_dir`, then cached); `warm_steps`
+  overrides the config's number of warm-start steps."""
+  raw = default.get_config()
+  if warm_steps is not None:
+    raw.warm_start.steps = warm_steps
+  config = config_lib.from_config_dict(raw)
   base = trainer.base_checkpoint(config, warm_dir)
   return warm_start.prepare(make_task(config.task, config.seed), base, os.path.join(warm_dir, "warm_start"),
                             config.warm_start, seed=config.seed)
 
 
-def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s, sigma=1.0):
+def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s, sigma=1.0, warm_steps=None):
   raw = default.get_config(preset)
   raw.trainer.update(dict(mode=mode, steps=steps, eval_every=0, checkpoint_every=steps, progress_bar=False))
   os.makedirs(workdir)
   shutil.copytree(os.path.join(warm_dir, "base"), os.path.join(workdir, "base"))
-  run = trainer.Trainer(config_lib.from_config_dict(raw), workdir, actor_checkpoint=warm_start_of(warm_dir))
+  run = trainer.Trainer(config_lib.from_config_dict(raw), workdir,
+                        actor_checkpoint=warm_start_of(warm_dir, warm_steps))
   if tool_latency_s:
     run.task.tool = with_latency(run.task.tool, tool_latency_s, seed=0, sigma=sigma)
   run.run()

@@ -7,19 +7,20 @@ import subprocess
 import sys
 
 import pytest
+from test_notebooks import load_notebook_runner
 from test_studies_render import load  # a study's run.py as a module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_advantage_staleness_end_to_end(tmp_path):
-  out = tmp_path / "results.json"
-  command = [sys.executable, "experiments/advantage_staleness/run.py", "--seeds", "0", "--lags", "0", "1",
-             "--episodes", "2", "--mc", "2", "--updates", "2", "--warm_start_steps", "5", "--resamples", "50",
-             "--root", str(tmp_path / "runs"), "--out", str(out)]
-  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "XLA_FLAGS": ""})
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+def test_advantage_staleness_end_to_end(tmp_path, monkeypatch):
+  """The notebook's live cell runs the study's script in the smoke setting; its JSON is checked here."""
+  monkeypatch.setenv("COPC_NOTEBOOK_SMOKE", "1")
+  monkeypatch.setenv("COPC_NOTEBOOK_OUT", str(tmp_path))
+  monkeypatch.setenv("XLA_FLAGS", "")
+  execute = load_notebook_runner()
+  execute.execute("advantage_staleness", timeout_s=900)
+  out = tmp_path / "advantage_staleness" / "results.json"
   results = json.loads(out.read_text())
   module = load("advantage_staleness")
   names = list(module.estimators_compared())
@@ -35,6 +36,9 @@ def test_advantage_staleness_end_to_end(tmp_path):
   for token in results["seeds"]["0"]["lags"]["1"]["tokens"]:
     assert token["mc_variance"] >= 0 and set(token["estimators"]) == set(names)
 
+  command = [sys.executable, "experiments/advantage_staleness/run.py", "--seeds", "0", "--lags", "0", "1",
+             "--episodes", "2", "--mc", "2", "--updates", "2", "--warm_start_steps", "5", "--resamples", "50",
+             "--root", str(out.parent), "--out", str(out)]          # the notebook's smoke command
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "XLA_FLAGS": ""})       # resumable: the seed is not rerun
   assert again.returncode == 0 and "training" not in again.stdout and "continuations" not in again.stdout

@@ -97,13 +97,18 @@ def knowledge_splits(seed: int = 0, eval_fraction: float = 0.2) -> tuple[Knowled
   return kb, questions[:cut], questions[cut:]
 
 
-def search_demonstration(question: dict, kb: KnowledgeBase, retriever: search.Retriever, topk: int = 3) -> str:
-  """The response of a policy that searches correctly, with the retriever's real top-k results."""
+def search_demonstration(question: dict, kb: KnowledgeBase, retriever: search.Retriever, topk: int = 3,
+                         guess: str | None = None) -> str:
+  """The response of a policy that searches correctly, with the retriever's real top-k results; with
+  `guess`, a 2-hop answer stops after the first search and answers `guess` instead of chaining."""
   steps, entity = [], question["entity"]
   queries = [f"{entity} born"] if question["hops"] == 1 else [f"{entity} founded", None]
+  if guess is not None and question["hops"] == 2:
+    queries = queries[:1]
   for query in queries:
     if query is None:
       query = f"{kb.founder[entity]} born"
     results = retriever.search([query], topk)[0]
     steps.append(f"{search.SEARCH_OPEN}{query}{search.SEARCH_CLOSE}{search.format_information(results)}")
-  return "".join(steps) + f"{search.ANSWER_OPEN}{question['answer']}{search.ANSWER_CLOSE}"
+  answer = question["answer"] if guess is None or question["hops"] == 1 else guess
+  return "".join(steps) + f"{search.ANSWER_OPEN}{answer}{search.ANSWER_CLOSE}"

@@ -35,6 +35,8 @@ class TaskConfig:
   eval_size: int = 128
   demo_tool_fraction: float = 1.0     # share of demonstrations that use the tool (the rest answer directly)
   demo_max_hops: int = 2              # knowledge_search: demonstrations only up to this many hops
+  demo_chain_fraction: float = 1.0    # knowledge_search: share of 2-hop demonstrations that chain the second
+                                      # search (the rest stop after the first and guess a city)
   train_path: str = ""                # math / search
   eval_path: str = ""
   question_field: str = "question"
@@ -51,6 +53,8 @@ class TaskConfig:
       raise ValueError(f"name must be one of {TASKS}; got {self.name!r}")
     if not 0 <= self.demo_tool_fraction <= 1:
       raise ValueError(f"demo_tool_fraction must be in [0, 1]; got {self.demo_tool_fraction}")
+    if not 0 <= self.demo_chain_fraction <= 1:
+      raise ValueError(f"demo_chain_fraction must be in [0, 1]; got {self.demo_chain_fraction}")
     if self.train_size < 1 or self.eval_size < 1:
       raise ValueError(f"train_size and eval_size must be >= 1; got {self.train_size}, {self.eval_size}")
     if self.reward_metric not in ("em", "f1"):
@@ -145,10 +149,15 @@ def _knowledge_search(config: TaskConfig, seed: int) -> Task:
   kb, train, eval_ = synthetic_tasks.knowledge_splits(seed)
   retriever = search.Retriever(kb.passages())
   tool = search.SearchTool(retriever=retriever, topk=config.topk)
+  chooser = random.Random(seed + 11)
+  guesses = {r["question"]: None if chooser.random() < config.demo_chain_fraction else chooser.choice(kb.cities)
+             for r in train}
+
   def demonstration(record):
     if record["hops"] > config.demo_max_hops:
       return None                   # left for RL to learn (e.g. two chained searches)
-    return synthetic_tasks.search_demonstration(record, kb, retriever, config.topk)
+    return synthetic_tasks.search_demonstration(record, kb, retriever, config.topk,
+                                                guess=guesses.get(record["question"]))
 
   return Task("knowledge_search", train[:config.train_size], eval_[:config.eval_size], search.SEARCH_CLOSE,
               SEARCH_TOOL_OUTPUT, _prompt(search.format_prompt, config), tool, _search_score(config),

@@ -60,3 +60,19 @@ def test_knowledge_search_can_leave_two_hop_questions_to_rl():
   demos = one_hop.demonstrations(one_hop.train)
   assert len(demos) == sum(r["hops"] == 1 for r in one_hop.train) < len(every.demonstrations(every.train))
   assert all("founder" not in d["prompt"] for d in demos)
+
+
+def test_knowledge_search_chain_fraction_mixes_guesses_into_two_hop_demonstrations():
+  from copc_jax.envs import search
+  from copc_jax.envs.tasks import TaskConfig, make_task
+
+  task = make_task(TaskConfig(name="knowledge_search", topk=1, demo_chain_fraction=0.5), 0)
+  two_hop = [r for r in task.train if r["hops"] == 2]
+  demos = task.demonstrations(two_hop)
+  chained = [d["response"].count(search.SEARCH_OPEN) == 2 for d in demos]
+  assert 0.3 < sum(chained) / len(chained) < 0.7
+  for demo, record, chain in zip(demos, two_hop, chained, strict=True):
+    correct = task.score(demo["response"], record)[0] == 1.0
+    assert correct if chain else demo["response"].count(search.SEARCH_OPEN) == 1
+  one_hop = task.demonstrations([r for r in task.train if r["hops"] == 1][:20])
+  assert all(d["response"].count(search.SEARCH_OPEN) == 1 for d in one_hop)   # 1-hop: unchanged

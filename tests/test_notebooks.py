@@ -1,0 +1,81 @@
+"""The Colab notebooks (experiments/notebooks/): executed top to bottom in the smoke setting, and the
+committed ones carry the outputs of a real run, show the studies' committed figures, and are linked."""
+
+import base64
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK_DIR = os.path.join(ROOT, "experiments", "notebooks")
+STUDY_FIGURES = {"advantage_staleness": ["advantage_error.png"], "exact_decomposition": ["bias_and_mse.png"],
+                 "presets_across_staleness": ["curves.png", "curves_full.png"],
+                 "joint_sweep": ["exact_heatmaps.png", "rl_heatmaps.png"]}
+# Executed by another test, which checks what its live cell wrote (tests/test_study_smoke.py).
+EXECUTED_ELSEWHERE = {"advantage_staleness"}
+
+
+def load_notebook_runner():
+  spec = importlib.util.spec_from_file_location("notebooks_execute", os.path.join(NOTEBOOK_DIR, "execute.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+NOTEBOOKS = load_notebook_runner().NOTEBOOKS
+
+
+def read(name: str) -> dict:
+  with open(os.path.join(NOTEBOOK_DIR, f"{name}.ipynb")) as f:
+    return json.load(f)
+
+
+def test_every_study_and_the_quickstart_has_a_notebook():
+  studies = {d for d in os.listdir(os.path.join(ROOT, "experiments"))
+             if os.path.exists(os.path.join(ROOT, "experiments", d, "run.py"))}
+  assert set(NOTEBOOKS) == studies | {"quickstart"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NOTEBOOKS if n not in EXECUTED_ELSEWHERE])
+def test_a_notebook_runs_top_to_bottom_in_the_smoke_setting(name, tmp_path, monkeypatch):
+  monkeypatch.setenv("COPC_NOTEBOOK_SMOKE", "1")
+  monkeypatch.setenv("COPC_NOTEBOOK_OUT", str(tmp_path))
+  monkeypatch.setenv("XLA_FLAGS", "")
+  notebook = load_notebook_runner().execute(name, timeout_s=900)      # a cell that raises fails here
+  assert all(cell.get("execution_count") for cell in notebook.cells if cell.cell_type == "code")
+  if name in ("quickstart", "search_stability"):                       # a live run of the main job
+    assert os.path.exists(tmp_path / name / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebooks_carry_the_outputs_of_a_full_run_and_no_machine_paths(name):
+  notebook = read(name)
+  code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+  assert code and all(cell["execution_count"] for cell in code), "execute it: experiments/notebooks/execute.py"
+  outputs = [output for cell in code for output in cell["outputs"]]
+  assert not [o for o in outputs if o["output_type"] == "error"]
+  text = json.dumps(outputs)
+  assert "smoke setting" not in text and "full setting" in text
+  assert not re.search(r"/(home|root|Users|work)/", text), "outputs show a machine's paths"
+
+
+@pytest.mark.parametrize("name", sorted(STUDY_FIGURES))
+def test_the_notebooks_show_the_figures_of_the_committed_json(name):
+  code = [cell for cell in read(name)["cells"] if cell["cell_type"] == "code"]
+  shown = [base64.b64decode(o["data"]["image/png"]) for cell in code for o in cell["outputs"]
+           if "image/png" in o.get("data", {})]
+  for figure in STUDY_FIGURES[name]:
+    with open(os.path.join(ROOT, "experiments", name, figure), "rb") as f:
+      assert f.read() in shown, f"{name}.ipynb does not show the committed {figure}: re-execute it"
+
+
+def test_the_readme_links_every_notebook_in_colab():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  for name in NOTEBOOKS:
+    assert (f"https://colab.research.google.com/github/copc-jax/copc_jax/blob/main/experiments/notebooks/"
+            f"{name}.ipynb") in readme
