@@ -25,6 +25,7 @@ from copc_jax.envs import data, math_tool, search, synthetic_tasks
 TASKS = ("tool_arithmetic", "knowledge_search", "math", "search")
 MATH_TOOL_OUTPUT = (math_tool.OUTPUT_OPEN, math_tool.OUTPUT_CLOSE)
 SEARCH_TOOL_OUTPUT = (search.INFO_OPEN, search.INFO_CLOSE)
+DEMOS_PER_QUESTION = 4          # knowledge_search with 0 < demo_chain_fraction < 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +36,8 @@ class TaskConfig:
   eval_size: int = 128
   demo_tool_fraction: float = 1.0     # share of demonstrations that use the tool (the rest answer directly)
   demo_max_hops: int = 2              # knowledge_search: demonstrations only up to this many hops
-  demo_chain_fraction: float = 1.0    # knowledge_search: share of 2-hop demonstrations that chain the second
-                                      # search (the rest stop after the first and guess a city)
+  demo_chain_fraction: float = 1.0    # knowledge_search: share of each 2-hop question's demonstrations that
+                                      # chain the second search (the rest stop after the first, guess a city)
   train_path: str = ""                # math / search
   eval_path: str = ""
   question_field: str = "question"
@@ -75,13 +76,18 @@ class Task:
   prompt: Callable[[dict], str]
   tool: Callable[[str], str]
   score: Callable[[str, dict], tuple[float, bool]]       # (response, record) -> (reward, correct)
-  demonstration: Callable[[dict], str] | None = None     # record -> response; None: no warm start
+  # record -> response, or several responses, or None (no demonstration); None here: no warm start
+  demonstration: Callable[[dict], str | list[str] | None] | None = None
 
   def demonstrations(self, records: list[dict]) -> list[dict]:
     if self.demonstration is None:
       raise ValueError(f"task {self.name!r} has no demonstrations; set warm_start.steps = 0")
-    demos = [{"prompt": self.prompt(r), "response": self.demonstration(r)} for r in records]
-    return [d for d in demos if d["response"] is not None]     # None: this record has no demonstration
+    demos = []
+    for record in records:
+      responses = self.demonstration(record)
+      for response in [responses] if isinstance(responses, str) else responses or []:
+        demos.append({"prompt": self.prompt(record), "response": response})
+    return demos
 
 
 def _require_file(field: str, path: str) -> str:
@@ -150,14 +156,18 @@ def _knowledge_search(config: TaskConfig, seed: int) -> Task:
   retriever = search.Retriever(kb.passages())
   tool = search.SearchTool(retriever=retriever, topk=config.topk)
   chooser = random.Random(seed + 11)
-  guesses = {r["question"]: None if chooser.random() < config.demo_chain_fraction else chooser.choice(kb.cities)
-             for r in train}
+  chained = round(DEMOS_PER_QUESTION * config.demo_chain_fraction)
 
   def demonstration(record):
     if record["hops"] > config.demo_max_hops:
       return None                   # left for RL to learn (e.g. two chained searches)
-    return synthetic_tasks.search_demonstration(record, kb, retriever, config.topk,
-                                                guess=guesses.get(record["question"]))
+    if config.demo_chain_fraction == 1.0:
+      return synthetic_tasks.search_demonstration(record, kb, retriever, config.topk)
+    # Every question gets the same number of demonstrations; a 2-hop question's mix the chained answer
+    # with guesses, so the warm-started policy chains with about this probability on every question.
+    guesses = [None] * chained + [chooser.choice(kb.cities) for _ in range(DEMOS_PER_QUESTION - chained)]
+    return [synthetic_tasks.search_demonstration(record, kb, retriever, config.topk, guess=guess)
+            for guess in guesses]
 
   return Task("knowledge_search", train[:config.train_size], eval_[:config.eval_size], search.SEARCH_CLOSE,
               SEARCH_TOOL_OUTPUT, _prompt(search.format_prompt, config), tool, _search_score(config),

@@ -1,14 +1,15 @@
 """Study: stability of the asynchronous presets on knowledge search, over long lag-mode runs.
 
-  python experiments/search_stability/run.py                          # 5 presets × k ∈ {16, 64} × 2 seeds
+  python experiments/search_stability/run.py              # sync PPO + 5 presets × k ∈ {16, 64} × 2 seeds
   python experiments/search_stability/run.py --cells copc_k16 vtrace_k16   # part of the grid
   python experiments/search_stability/run.py --render                 # tables and figures from results.json
 
-The task (`configs/search.py` with `task.demo_max_hops = 1`): the warm start sees demonstrations of
-1-hop questions only, so 2-hop questions (two chained searches) are what RL can learn; held-out
-accuracy is measured on questions about entities no training question names. Each run is lag mode
-(every batch from the weights k updates old) for `--updates` updates; the learner's current weights
-are evaluated every 25 updates on a dedicated server.
+The task (`configs/search.py`): half of each 2-hop question's demonstrations chain the second search
+and half stop after the first and guess (`task.demo_chain_fraction = 0.5`), so the warm-started policy
+chains about half the time and RL can learn to always chain; held-out accuracy is measured on questions
+about entities no training question names. Sync PPO (k = 0) is the reference for the RL gain. Each
+other run is lag mode (every batch from the weights k updates old) for `--updates` updates; the
+learner's current weights are evaluated every 25 updates on a dedicated server.
 
 Collapse, stated before the runs: held-out accuracy more than 0.2 below its running maximum from some
 evaluation to the end of the run (`study.collapse_step`). A run that dips and recovers has not
@@ -33,14 +34,15 @@ import study  # noqa: E402
 PRESETS = ("async_ppo", "decoupled_ppo", "icepop", "vtrace", "copc")
 LAGS = (16, 64)
 SEEDS = (0, 1)
-COMMON = {"task.demo_max_hops": 1, "trainer.eval_every": 25, "trainer.checkpoint_every": 25}
+COMMON = {"trainer.eval_every": 25, "trainer.checkpoint_every": 25}
 SERIES = (("entropy", "policy entropy (nats/token)"), ("grad_norm", "actor gradient norm"),
           ("mask_fraction", "mask fraction"))
 
 
 def cells(presets, lags) -> list[study.Cell]:
-  return [study.Cell(f"{preset}_k{lag}", {"preset": preset, "trainer.mode": "lag", "trainer.lag": lag})
-          for lag in lags for preset in presets]
+  grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync", "trainer.lag": 0})]
+  return grid + [study.Cell(f"{preset}_k{lag}", {"preset": preset, "trainer.mode": "lag", "trainer.lag": lag})
+                 for lag in lags for preset in presets]
 
 
 def smooth(values, window: int = 10) -> np.ndarray:
@@ -57,11 +59,11 @@ def figure(results: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()})
+  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()} - {0})   # 0: in every row
   fig, axes = plt.subplots(len(lags), 4, figsize=(18, 3.4 * len(lags)), squeeze=False)
   for row, lag in zip(axes, lags, strict=True):
     for name, entry in results["cells"].items():
-      if entry["overrides"]["trainer.lag"] != lag or not entry["runs"]:
+      if entry["overrides"]["trainer.lag"] not in (0, lag) or not entry["runs"]:
         continue
       runs = list(entry["runs"].values())
       curves = [dict(map(tuple, r["eval_curve"])) for r in runs]

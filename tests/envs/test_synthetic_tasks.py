@@ -62,17 +62,21 @@ def test_knowledge_search_can_leave_two_hop_questions_to_rl():
   assert all("founder" not in d["prompt"] for d in demos)
 
 
-def test_knowledge_search_chain_fraction_mixes_guesses_into_two_hop_demonstrations():
+def test_knowledge_search_chain_fraction_mixes_guesses_into_every_two_hop_question():
   from copc_jax.envs import search
-  from copc_jax.envs.tasks import TaskConfig, make_task
+  from copc_jax.envs.tasks import DEMOS_PER_QUESTION, TaskConfig, make_task
 
   task = make_task(TaskConfig(name="knowledge_search", topk=1, demo_chain_fraction=0.5), 0)
-  two_hop = [r for r in task.train if r["hops"] == 2]
-  demos = task.demonstrations(two_hop)
-  chained = [d["response"].count(search.SEARCH_OPEN) == 2 for d in demos]
-  assert 0.3 < sum(chained) / len(chained) < 0.7
-  for demo, record, chain in zip(demos, two_hop, chained, strict=True):
-    correct = task.score(demo["response"], record)[0] == 1.0
-    assert correct if chain else demo["response"].count(search.SEARCH_OPEN) == 1
-  one_hop = task.demonstrations([r for r in task.train if r["hops"] == 1][:20])
-  assert all(d["response"].count(search.SEARCH_OPEN) == 1 for d in one_hop)   # 1-hop: unchanged
+  two_hop = [r for r in task.train if r["hops"] == 2][:30]
+  for record in two_hop:          # each question: half its demonstrations chain (and are right), half guess
+    demos = task.demonstrations([record])
+    assert len(demos) == DEMOS_PER_QUESTION
+    chained = [d for d in demos if d["response"].count(search.SEARCH_OPEN) == 2]
+    assert len(chained) == DEMOS_PER_QUESTION // 2
+    assert all(task.score(d["response"], record)[0] == 1.0 for d in chained)
+    assert all(d["response"].count(search.SEARCH_OPEN) == 1 for d in demos if d not in chained)
+  one_hop = task.demonstrations([r for r in task.train if r["hops"] == 1][:5])
+  assert len(one_hop) == 5 * DEMOS_PER_QUESTION and all(d["response"].count(search.SEARCH_OPEN) == 1
+                                                        for d in one_hop)
+  every = make_task(TaskConfig(name="knowledge_search", topk=1), 0)        # the default: one each, all chain
+  assert len(every.demonstrations(two_hop)) == len(two_hop)
