@@ -23,14 +23,7 @@ import study  # noqa: E402
 
 from copc_jax import presets  # noqa: E402
 
-INF = float("inf")
-# Candidate COPC settings (config overrides of the `copc` preset), run with `--presets NAME`:
-# the joint sweep's best RL cell at k = 16 (no token mask, no ρ clip, traces truncated at 1), and
-# that plus the exact-MDP toy's best advantage form (λ = 0.8, `vtrace_pg`).
-_NOMASK = {"preset": "copc", "actor.mask_range": (0.0, INF), "estimator.rho_clip": (0.0, INF),
-           "estimator.trace_clip": (0.0, 1.0)}
-CANDIDATES = {"copc_nomask": _NOMASK, "copc_nomask_vtrace_pg": {**_NOMASK, "estimator.lam": 0.8,
-                                                                 "estimator.advantage_form": "vtrace_pg"}}
+CANDIDATES = study.CANDIDATES
 DEFAULT = dict(presets=("async_ppo", "decoupled_ppo", "copc"), lags=(4, 16), seeds=(0, 1, 2), steps=80)
 FULL = dict(presets=("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace", "copc"), lags=(4, 16, 64),
             seeds=(0, 1, 2), steps=300)

@@ -41,7 +41,8 @@ SERIES = (("entropy", "policy entropy (nats/token)"), ("grad_norm", "actor gradi
 
 def cells(presets, lags) -> list[study.Cell]:
   grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync", "trainer.lag": 0})]
-  return grid + [study.Cell(f"{preset}_k{lag}", {"preset": preset, "trainer.mode": "lag", "trainer.lag": lag})
+  return grid + [study.Cell(f"{preset}_k{lag}", {**study.CANDIDATES.get(preset, {"preset": preset}),
+                                                 "trainer.mode": "lag", "trainer.lag": lag})
                  for lag in lags for preset in presets]
 
 
@@ -84,12 +85,30 @@ def figure(results: dict, path: str) -> None:
   plt.close(fig)
 
 
+def gain_table(results: dict) -> str:
+  """Held-out accuracy of the warm start (update 0), at the end, and the RL gain between them."""
+  lines = ["| cell | seeds | warm start | final | gain (final − warm start) | best | gain at best |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for name, entry in results["cells"].items():
+    curves = [r["eval_curve"] for r in entry["runs"].values()]
+    if not curves:
+      continue
+    start = [c[0][1] for c in curves]
+    final, best = [c[-1][1] for c in curves], [max(a for _, a in c) for c in curves]
+    fmt = lambda values: f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+    lines.append(f"| {name} | {len(curves)} | {fmt(start)} | {fmt(final)} | "
+                 f"{fmt(np.subtract(final, start))} | {fmt(best)} | {fmt(np.subtract(best, start))} |")
+  return "\n".join(lines)
+
+
 def render(results: dict, here: str = HERE) -> None:
   figure(results, os.path.join(here, "curves.png"))
+  reference = "sync_ppo_k0" if results["cells"].get("sync_ppo_k0", {}).get("runs") else None
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.\n\n"
-          + study.table(results) + "\n\n![curves](curves.png)")
+          + study.table(results, reference=reference) + "\n\n**RL gain on held-out questions**\n\n"
+          + gain_table(results) + "\n\n![curves](curves.png)")
   study.write_between_markers(os.path.join(here, "README.md"), "results", text)
 
 
@@ -98,11 +117,13 @@ def main():
   parser.add_argument("--updates", type=int, default=300)
   parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
   parser.add_argument("--cells", nargs="+", help="run only these cells (e.g. copc_k16)")
+  parser.add_argument("--candidates", nargs="+", choices=sorted(study.CANDIDATES), default=[],
+                      help="extend the grid with these COPC settings (study.CANDIDATES) at every lag")
   parser.add_argument("--render", action="store_true")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_search_stability"))
   parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
   args = parser.parse_args()
-  grid = cells(PRESETS, LAGS)
+  grid = cells(PRESETS + tuple(args.candidates), LAGS)
   if args.cells:
     unknown = set(args.cells) - {c.name for c in grid}
     if unknown:
