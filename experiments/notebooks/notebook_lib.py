@@ -18,12 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 for _path in (ROOT, EXPERIMENTS):
   if _path not in sys.path:
     sys.path.insert(0, _path)
+
+# tqdm's notebook bar needs ipywidgets; without it tqdm warns once, naming its own file.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 SMOKE = os.environ.get("COPC_NOTEBOOK_SMOKE", "") not in ("", "0")
 
