@@ -26,6 +26,9 @@ for _path in (ROOT, EXPERIMENTS):
   if _path not in sys.path:
     sys.path.insert(0, _path)
 
+# On a GPU the notebook's kernel, the learner and the servers are separate processes on one device: each
+# takes memory as it needs it instead of XLA's default of 75% at start (set before JAX is imported).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # tqdm's notebook bar needs ipywidgets; without it tqdm warns once, naming its own file.
 warnings.filterwarnings("ignore", message="IProgress not found")
 
@@ -57,14 +60,12 @@ def accelerator() -> str:
 def server_platform(backend: str) -> str:
   """`config.rollout.server_platform` for local servers on this runtime.
 
-  cpu: "cpu". gpu: "" (the environment's: servers and learner share the GPU, each process with a
-  share of its memory). tpu: "cpu", because a TPU chip belongs to one process and the learner holds
-  it; on a TPU VM with servers on other hosts, give their addresses in `rollout.addresses` instead.
+  cpu: "cpu". gpu: "" (the environment's: the learner and the servers share the GPU; no process
+  preallocates its memory, see below). tpu: "cpu", because a TPU chip belongs to one process and the
+  learner holds it; on a TPU VM with servers on other hosts, give their addresses in
+  `rollout.addresses` instead.
   """
-  if backend == "gpu":
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.25")
-    return ""
-  return "cpu"
+  return "" if backend == "gpu" else "cpu"
 
 
 def load_study(name: str):
