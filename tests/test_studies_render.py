@@ -107,10 +107,11 @@ def test_step_time_ratios_and_render(tmp_path):
 
 
 def test_search_stability_cells_and_render(tmp_path):
+  module = load("search_stability")          # puts experiments/ on the path
   import study
-
-  module = load("search_stability")
-  assert [c.name for c in module.cells(("copc",), (16, 64))] == ["copc_k16", "copc_k64"]
+  assert [c.name for c in module.cells(("copc",), (16, 64))] == ["sync_ppo_k0", "copc_k16", "copc_k64"]
+  candidate = module.cells(("copc_nomask_vtrace_pg",), (16,))[1]
+  assert candidate.overrides["preset"] == "copc" and candidate.overrides["estimator.advantage_form"] == "vtrace_pg"
   smoothed = module.smooth([1.0, None, 3.0], window=3)
   assert smoothed.tolist() == pytest.approx([1.0, 2.0, 3.0])
 
@@ -129,3 +130,4 @@ def test_search_stability_cells_and_render(tmp_path):
   module.render(results, here=str(tmp_path))
   text = (tmp_path / "README.md").read_text()
   assert "| copc_k16 | 2 |" in text and "1/2 (at 50)" in text and (tmp_path / "curves.png").exists()
+  assert "| copc_k16 | 2 | 0.400 ± 0.000 | 0.475 ± 0.175 | 0.075 ± 0.175 |" in text      # the RL gain table
