@@ -111,7 +111,8 @@ def test_search_stability_cells_and_render(tmp_path):
   import study
   assert [c.name for c in module.cells(("copc",), (16, 64))] == ["sync_ppo_k0", "copc_k16", "copc_k64"]
   candidate = module.cells(("copc_nomask_vtrace_pg",), (16,))[1]
-  assert candidate.overrides["preset"] == "copc" and candidate.overrides["estimator.advantage_form"] == "vtrace_pg"
+  assert candidate.overrides["preset"] == "copc"
+  assert candidate.overrides["estimator.advantage_form"] == "vtrace_pg"
   smoothed = module.smooth([1.0, None, 3.0], window=3)
   assert smoothed.tolist() == pytest.approx([1.0, 2.0, 3.0])
 

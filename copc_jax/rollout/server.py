@@ -8,7 +8,8 @@ Services on one gRPC server bound to 127.0.0.1 by default:
   except that requests are validated first.
 - `copc.Rollout` (JSON messages, no protoc needed):
     Generate(stream):  {token_ids, max_tokens, temperature, top_p, top_k, stop_sequences, seed}
-                       → stream of {token_ids, logprobs, versions, finish_reason}
+                       → stream of {token_ids, logprobs, versions, finish_reason} (a message holds
+                         every decode step waiting when it was sent: one or more tokens)
                        (with a seed, the tokens depend only on the request and the weights)
     UpdateWeights:     {path, version, reset?} → {version}   (a save_pretrained directory)
     UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version, copc-reset?) → {version}
@@ -32,12 +33,12 @@ from safetensors.flax import load as load_safetensors_bytes
 
 from copc_jax.models import hf_io
 from copc_jax.rollout import jetstream_compat, requests
+from copc_jax.rollout.channel import BatchingChannel
 from copc_jax.rollout.engine import CopcEngine, SamplingOptions
 from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE
 from copc_jax.sampling import SamplingParams
 
 _, orchestrator, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
-from jetstream.core.utils import async_multifuture  # noqa: E402
 
 _to_json = lambda obj: json.dumps(obj).encode()
 _raw = lambda data: data
@@ -120,17 +121,21 @@ class RolloutService:
     sampling = SamplingOptions(
         params=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k),
         stop_sequences=parsed.stop_sequences, seed=parsed.seed)
+    channel = BatchingChannel()
     active = RLActiveRequest(
-        max_tokens=max_tokens, return_channel=async_multifuture.AsyncMultifuture(),
+        max_tokens=max_tokens, return_channel=channel,
         prefill_content=np.asarray(token_ids, np.int32), is_client_side_tokenization=True,
         history_path="rl", sampling=sampling)   # a history path tells 0.2.2 not to add BOS
     try:
       self._driver.place_request_on_prefill_queue(active)
-      async for samples in active.return_channel:
-        sample = samples[0]
-        if sample.token_ids or sample.finish_reason:
-          yield {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "versions": sample.versions,
-                 "finish_reason": sample.finish_reason}
+      async for steps in channel.batches():     # every decode step waiting: one message
+        samples = [samples[0] for samples in steps]
+        message = {"token_ids": [t for s in samples for t in s.token_ids],
+                   "logprobs": [p for s in samples for p in s.logprobs],
+                   "versions": [v for s in samples for v in s.versions],
+                   "finish_reason": next((s.finish_reason for s in samples if s.finish_reason), None)}
+        if message["token_ids"] or message["finish_reason"]:
+          yield message
     except Exception as err:  # noqa: BLE001 - a valid request that the server failed to serve
       await context.abort(grpc.StatusCode.INTERNAL, f"Generate: the server failed: {type(err).__name__}: {err}")
 

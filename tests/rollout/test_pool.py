@@ -87,8 +87,10 @@ def test_weight_push_reaches_every_server_and_restarted_ones(checkpoint, tmp_pat
 
 def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
   script = tmp_path / "run_pool.py"
+  stacks = tmp_path / "stacks.txt"
   script.write_text(textwrap.dedent(f"""
-      import time
+      import faulthandler, signal, time
+      faulthandler.register(signal.SIGUSR1, file=open({str(stacks)!r}, "w"), all_threads=True)
       from copc_jax.rollout.pool import RolloutPool
       pool = RolloutPool({checkpoint!r}, num_servers=2, max_prefill_length=16, max_length=64)
       print(",".join(str(s.process.process.pid) for s in pool.servers), flush=True)
@@ -103,7 +105,13 @@ def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
   assert int(process.stdout.readline()) > 0
   assert process.stdout.readline().strip() == "ready"
   process.send_signal(signal.SIGINT)
-  assert process.wait(timeout=60) != 0      # interrupted, not finished
+  try:
+    assert process.wait(timeout=180) != 0     # interrupted, not finished (servers stop in <= 10 s each + kill)
+  except subprocess.TimeoutExpired:
+    process.send_signal(signal.SIGUSR1)       # where it hangs, for the failure message
+    wait_until(lambda: stacks.exists() and stacks.stat().st_size > 0, timeout_s=10)
+    process.kill()
+    pytest.fail(f"the pool did not exit after Ctrl-C; its threads:\n{stacks.read_text()[-6000:]}")
 
   def gone(pid):
     try:
