@@ -97,7 +97,11 @@ def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
       remote = RolloutPool(addresses=[s.address for s in pool.servers])
       print(len(remote.generate([1, 7, 8], max_tokens=3).token_ids), flush=True)
       print("ready", flush=True)
-      time.sleep(600)     # Ctrl-C lands here, uncaught: the pool's exit hook must stop the servers
+      # Ctrl-C lands here, uncaught: the pool's exit hook must stop the servers. Short sleeps: a
+      # signal the kernel hands to another thread (gRPC's, the hang detector's) only sets Python's
+      # flag, and a main thread blocked in one long sleep would not see it until the sleep ends.
+      while True:
+        time.sleep(0.05)
       """))
   process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "XLA_FLAGS": ""})
