@@ -91,7 +91,9 @@ def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
   script.write_text(textwrap.dedent(f"""
       import faulthandler, signal, time
       faulthandler.register(signal.SIGUSR1, file=open({str(stacks)!r}, "w"), all_threads=True)
-      signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal, whatever the parent ignores
+      # As in a terminal: a shell starts `cmd &` with SIGINT ignored (POSIX), pytest's children inherit
+      # that when CI runs in the background, and Python then installs no KeyboardInterrupt handler.
+      signal.signal(signal.SIGINT, signal.default_int_handler)
       from copc_jax.rollout.pool import RolloutPool
       pool = RolloutPool({checkpoint!r}, num_servers=2, max_prefill_length=16, max_length=64)
       print(",".join(str(s.process.process.pid) for s in pool.servers), flush=True)
