@@ -35,7 +35,7 @@ class GradientCheckConfig:
   tool_every: int = 4
   staleness_drifts: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0)
   value_noise: float = 0.0
-  presets: tuple[str, ...] = tuple(presets.PRESETS)
+  presets: tuple[str, ...] = presets.DISTINCT    # one per distinct setting: no alias twice
 
   def __post_init__(self):
     for name in ("num_trajectories", "num_steps"):

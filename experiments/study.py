@@ -308,10 +308,10 @@ def paired_difference(results: dict, name: str, reference: str, key: str = "fina
 
 
 INF = float("inf")
-# Candidate COPC settings (config overrides of the `copc` preset) that the studies run by name next to
+# Candidate COPC settings (config overrides of the spec's setting) that the studies run by name next to
 # the presets: the joint sweep's best RL cell at k = 16 (no token mask, no ρ clip, traces truncated at
 # 1), and that plus the exact-MDP toy's best advantage form (λ = 0.8, `vtrace_pg`).
-_NOMASK = {"preset": "copc", "actor.mask_range": (0.0, INF), "estimator.rho_clip": (0.0, INF),
+_NOMASK = {"preset": "copc_spec", "actor.mask_range": (0.0, INF), "estimator.rho_clip": (0.0, INF),
            "estimator.trace_clip": (0.0, 1.0)}
 CANDIDATES = {"copc_nomask": _NOMASK, "copc_nomask_vtrace_pg": {**_NOMASK, "estimator.lam": 0.8,
                                                                  "estimator.advantage_form": "vtrace_pg"}}

@@ -32,7 +32,7 @@ def hand_policy_weight(name, b):
       "decoupled_ppo": np.minimum(r, 5.0), "tis": np.minimum(r, 2.0),
       "icepop": np.where((r >= 0.5) & (r <= 5.0), r, 0.0),
       "mis": np.where((r >= 0.5) & (r <= 5.0), r, 0.0),
-      "copc": ((r >= 0.5) & (r <= 2.0)).astype(float),
+      "copc": ((r >= 0.5) & (r <= 2.0)).astype(float), "copc_spec": ((r >= 0.5) & (r <= 2.0)).astype(float),
   }[name]
   adv = b["advantages"]
   clipped = ((adv > 0) & (q > 1 + EPS_HIGH)) | ((adv < 0) & (q < 1 - EPS_LOW))

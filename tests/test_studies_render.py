@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_staleness", "joint_sweep", "step_time",
-           "search_stability"]
+           "search_stability", "copc_default"]
 
 
 def load(study):
@@ -111,7 +111,7 @@ def test_search_stability_cells_and_render(tmp_path):
   import study
   assert [c.name for c in module.cells(("copc",), (16, 64))] == ["sync_ppo_k0", "copc_k16", "copc_k64"]
   candidate = module.cells(("copc_nomask_vtrace_pg",), (16,))[1]
-  assert candidate.overrides["preset"] == "copc"
+  assert candidate.overrides["preset"] == "copc_spec"
   assert candidate.overrides["estimator.advantage_form"] == "vtrace_pg"
   smoothed = module.smooth([1.0, None, 3.0], window=3)
   assert smoothed.tolist() == pytest.approx([1.0, 2.0, 3.0])
@@ -132,3 +132,30 @@ def test_search_stability_cells_and_render(tmp_path):
   text = (tmp_path / "README.md").read_text()
   assert "| copc_k16 | 2 |" in text and "1/2 (at 50)" in text and (tmp_path / "curves.png").exists()
   assert "| copc_k16 | 2 | 0.400 ± 0.000 | 0.475 ± 0.175 | 0.075 ± 0.175 |" in text      # the RL gain table
+
+
+def test_copc_default_rule_counts_only_settings_run_in_every_cell():
+  module = load("copc_default")
+  stat = lambda mean: {"mean": mean, "std": 0.1, "n": 2}
+  cells = {"a, k = 16": {"candidates": {"copc_spec": stat(0.7), "x": stat(0.9), "y": stat(0.95)}},
+           "a, k = 64": {"candidates": {"copc_spec": stat(0.3), "x": stat(0.2), "y": stat(0.9)}},
+           "b, k = 16": {"candidates": {"copc_spec": stat(0.5), "x": stat(0.5)}}}
+  choice = module.choose(cells)
+  assert choice["scores"] == pytest.approx({"copc_spec": 0.5, "x": 1.6 / 3})
+  assert choice["pick"] == "x" and choice["not_measured_everywhere"] == {"y": ["b, k = 16"]}
+  assert module.choose({"a": {"candidates": {}}})["pick"] is None
+
+
+def test_the_copc_preset_is_the_setting_the_evidence_picked():
+  """`copc` (the main job's default) is the committed pick of experiments/copc_default, whatever it is."""
+  path = os.path.join(ROOT, "experiments", "copc_default", "results.json")
+  if not os.path.exists(path):
+    pytest.skip("experiments/copc_default has no committed results.json yet")
+  module = load("copc_default")
+  import study
+  with open(path) as f:
+    pick = json.load(f)["choice"]["pick"]
+  assert pick, "the committed evidence picks no setting"
+  picked = study.load_config("configs/default.py", module.overrides_of(pick), seed=0)
+  default = study.load_config("configs/default.py", {"preset": "copc"}, seed=0)
+  assert (default.estimator, default.actor) == (picked.estimator, picked.actor)

@@ -1,0 +1,151 @@
+"""Which setting the `copc` preset ships with, chosen from the studies' committed results.
+
+  python experiments/copc_default/run.py            # reads the studies' JSON, writes results.json and README
+  python experiments/copc_default/run.py --render   # README from the committed results.json
+
+Nothing is rerun here. The evidence is every (task, staleness) cell in which the studies ran COPC:
+
+  tool arithmetic, k = 16   presets_across_staleness/results.json       3 seeds, 80 updates
+  tool arithmetic, k = 64   presets_across_staleness/results_full.json  3 seeds, 300 updates
+  knowledge search, k = 16  search_stability/results.json               2 seeds, 300 updates
+  knowledge search, k = 64  search_stability/results.json               2 seeds, 300 updates
+
+The rule: the candidates are the spec's setting (the `copc` preset as the spec writes it) and the
+settings in `study.CANDIDATES`; a candidate competes only if it was measured in every cell; its score
+is the mean over cells of its seed-mean final held-out accuracy (each cell weighs the same, whatever
+its scale); the highest score is the default. Every cell also names the best preset of any kind, so
+the README can say where policy-side presets win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXPERIMENTS = os.path.dirname(HERE)
+sys.path.insert(0, EXPERIMENTS)
+
+import study  # noqa: E402
+
+SPEC = "copc_spec"      # the spec's setting (a preset): the cell named `copc_k{lag}` in each study
+EVIDENCE = (  # (cell label, task, lag, results file relative to experiments/)
+    ("tool arithmetic, k = 16", "tool arithmetic", 16, "presets_across_staleness/results.json"),
+    ("tool arithmetic, k = 64", "tool arithmetic", 64, "presets_across_staleness/results_full.json"),
+    ("knowledge search, k = 16", "knowledge search", 16, "search_stability/results.json"),
+    ("knowledge search, k = 64", "knowledge search", 64, "search_stability/results.json"),
+)
+
+
+def candidate_cell(candidate: str, lag: int) -> str:
+  return f"copc_k{lag}" if candidate == SPEC else f"{candidate}_k{lag}"
+
+
+def collect(evidence=EVIDENCE, root: str = EXPERIMENTS) -> dict:
+  """Per evidence cell: each candidate's final accuracy over seeds and the best preset of any kind."""
+  candidates = [SPEC, *study.CANDIDATES]
+  cells = {}
+  for label, task, lag, path in evidence:
+    with open(os.path.join(root, path)) as f:
+      results = json.load(f)
+    finals = {name: entry["aggregate"]["final_eval_accuracy"] for name, entry in results["cells"].items()
+              if name.endswith(f"_k{lag}") and entry["aggregate"]["final_eval_accuracy"]}
+    best = max(finals, key=lambda name: finals[name]["mean"]) if finals else None
+    cells[label] = {
+        "task": task, "lag": lag, "source": path, "source_commit": results["git_commit"],
+        "candidates": {c: finals[candidate_cell(c, lag)] for c in candidates
+                       if candidate_cell(c, lag) in finals},
+        "best_preset": {"cell": best, **finals[best]} if best else None}
+  return cells
+
+
+def choose(cells: dict) -> dict:
+  """Scores of the candidates measured in every cell, the pick, and who was left out for missing cells."""
+  names = sorted({c for cell in cells.values() for c in cell["candidates"]})
+  missing = {c: [label for label, cell in cells.items() if c not in cell["candidates"]] for c in names}
+  scores = {c: float(np.mean([cell["candidates"][c]["mean"] for cell in cells.values()]))
+            for c in names if not missing[c]}
+  pick = max(scores, key=scores.get) if scores else None
+  return {"scores": scores, "pick": pick, "not_measured_everywhere": {c: m for c, m in missing.items() if m}}
+
+
+def overrides_of(candidate: str) -> dict:
+  """Config overrides that turn the spec's `copc` setting into `candidate`."""
+  return {"preset": SPEC} if candidate == SPEC else dict(study.CANDIDATES[candidate])
+
+
+def figure(results: dict, path: str) -> None:
+  """Per evidence cell: each candidate's final accuracy (mean, seed std as error bar) and the best preset."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  labels, names = list(results["cells"]), results["candidates"]
+  width = 0.8 / (len(names) + 1)
+  fig, ax = plt.subplots(figsize=(9, 3.6))
+  for i, name in enumerate([*names, "best preset at this lag"]):
+    stats = [cell["candidates"].get(name) if name in names else cell["best_preset"]
+             for cell in results["cells"].values()]
+    x = np.arange(len(labels)) + (i - len(names) / 2) * width
+    ax.bar(x, [s["mean"] if s else np.nan for s in stats], width, yerr=[s["std"] if s else 0 for s in stats],
+           label=name, color="0.6" if name not in names else None, capsize=2)
+  ax.set_xticks(np.arange(len(labels)), labels, fontsize=8)
+  ax.set_ylabel("final held-out accuracy")
+  ax.set_ylim(0, 1)
+  ax.grid(alpha=0.3, axis="y")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def render(results: dict, here: str = HERE) -> None:
+  names = " | ".join(f"`{c}`" for c in results["candidates"])
+  rows = [f"| evidence | {names} | best preset at this lag |",
+          "|---|" + "---:|" * (len(results["candidates"]) + 1)]
+  for label, cell in results["cells"].items():
+    values = [study._fmt(cell["candidates"].get(c)) for c in results["candidates"]]
+    best = cell["best_preset"]
+    best = f"{best['cell']} {best['mean']:.3f} ± {best['std']:.3f}" if best else "not run yet"
+    rows.append(f"| {label} | " + " | ".join(values) + f" | {best} |")
+  scores = results["choice"]["scores"]
+  rows.append("| **score** (mean over cells) | "
+              + " | ".join(f"**{scores[c]:.3f}**" if c in scores else "not in every cell"
+                           for c in results["candidates"]) + " | |")
+  left_out = results["choice"]["not_measured_everywhere"]
+  pick = results["choice"]["pick"]
+  text = ("Final held-out accuracy, mean ± std over seeds, of each COPC setting in each cell the studies ran "
+          f"it in; commit {results['git_commit'][:10]}.\n\n" + "\n".join(rows)
+          + (f"\n\n**Pick: `{pick}`** (config overrides: `{json.dumps(overrides_of(pick))}`)." if pick
+             else "\n\n**No pick yet**: no candidate was run in every cell.")
+          + "".join(f" `{c}` was not run in: {', '.join(m)}." for c, m in left_out.items())
+          + "\n\n![each setting in each cell](settings.png)")
+  figure(results, os.path.join(here, "settings.png"))
+  study.write_between_markers(os.path.join(here, "README.md"), "results", text)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--render", action="store_true")
+  parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
+  args = parser.parse_args()
+  if args.render:
+    with open(args.out) as f:
+      render(json.load(f))
+    return
+  cells = collect()
+  results = {"description": "the copc preset's default, chosen from the studies' committed results",
+             "rule": "highest mean over evidence cells of the seed-mean final held-out accuracy, among the "
+                     "candidates measured in every cell",
+             "candidates": [SPEC, *study.CANDIDATES], "cells": cells, "choice": choose(cells),
+             "git_commit": study.git_commit(), **study.provenance()}
+  study.write_json(args.out, results)
+  render(results)
+  print(json.dumps(results["choice"], indent=1))
+
+
+if __name__ == "__main__":
+  main()
