@@ -115,6 +115,10 @@ def bench(name, steps, matmul_rate):
         f" | {tokens / t_step:>9.0f} | {100 * mfu:>5.1f}% | {100 * t_forward / t_step:>6.1f}% | "
         f"{100 * t_estimator / t_step:>8.3f}% | {100 * t_update / t_step:>6.1f}% | {t_kl / t_step:>5.2f}× | "
         f"{compiles[0]:>6.1f} s | {compiles[1]:>6.1f} s")
+  return {"model": name, "parameters": int(n_params), "batch": batch_size, "sequence": prompt + response,
+          "step_s": t_step, "tokens_per_s": tokens / t_step, "mfu": mfu, "forward_fraction": t_forward / t_step,
+          "estimator_fraction": t_estimator / t_step, "update_fraction": t_update / t_step,
+          "kl_step_ratio": t_kl / t_step, "compile_s_1x1": compiles[0], "compile_s_2x4": compiles[1]}
 
 
 def main():
@@ -122,16 +126,34 @@ def main():
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--matmul", type=int, default=2048, help="size of the reference matmul")
+  parser.add_argument("--out", help="also write the numbers here (JSON, with provenance)")
   args = parser.parse_args()
   rate = matmul_flops_per_s(args.matmul)
   print(f"jax {jax.__version__}, {jax.device_count()} × {jax.devices()[0].device_kind}; best of "
         f"{args.steps} steps after compilation; {args.matmul}³ float32 matmul: {rate / 1e9:.1f} GFLOP/s")
   print(f"{'model':>5} | {'params':>8} | {'B×T':<7} | {'step':>10} | {'tokens/s':>9} | {'MFU':>6} | "
         f"{'fwd':>7} | {'estimator':>9} | {'update':>7} | {'+KL':>6} | compile 1×1 | compile 2×4")
-  for name in args.configs:
-    bench(name, args.steps, rate)
+  rows = [bench(name, args.steps, rate) for name in args.configs]
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak resident memory of this process: {peak:.2f} GiB")
+  if args.out:
+    write_results(args.out, {"description": __doc__.splitlines()[0], "steps": args.steps,
+                             "matmul_flops_per_s": rate, "rows": rows, "peak_resident_gib": peak})
+
+
+def write_results(path: str, results: dict) -> None:
+  """`results` with the command, commit and machine that produced them, as JSON."""
+  import json
+  import os
+  import platform
+  import subprocess
+  import sys
+  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+  with open(path, "w") as f:
+    json.dump({**results, "command": " ".join(["python", *sys.argv]), "git_commit": commit,
+               "jax_version": jax.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"},
+              f, indent=1)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,9 @@ def main():
   parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--decode-steps", type=int, nargs="+", default=[1, 4],
                       help="tokens per slot per engine call on the servers")
+  parser.add_argument("--out", help="also write the numbers here (JSON, with provenance)")
   args = parser.parse_args()
+  rows = []
   max_length = 128
   with tempfile.TemporaryDirectory() as tmp:
     tiny.make_tiny_checkpoint(tmp, "qwen2", hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -137,6 +139,8 @@ def main():
     bare = bare_decode_tokens_per_s(model, args.slots, args.prompt, args.new_tokens, max_length,
                                     args.rounds)
     print(f"Python loop of the jitted step:   {bare:8.1f} tokens/s   ({bare / reference:.2f}× reference)")
+    rows += [{"path": "on-device reference", "tokens_per_s": reference},
+             {"path": "Python loop of the jitted step", "tokens_per_s": bare}]
     for steps in args.decode_steps:
       for n in args.servers:
         with RolloutPool(tmp, num_servers=n, max_in_flight=args.slots, slots=args.slots,
@@ -144,11 +148,20 @@ def main():
           rate = served_tokens_per_s(pool, n * args.slots, args.prompt, args.new_tokens,
                                      model.config.vocab_size, args.rounds)
           peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
+        rows.append({"path": "gRPC", "servers": n, "decode_steps": steps, "tokens_per_s": rate,
+                     "peak_server_gib": peaks})
         print(f"{n} server(s) via gRPC, {steps} step(s)/call: {rate:8.1f} tokens/s   "
               f"({rate / reference:.2f}× reference); peak memory per server: "
               f"{', '.join(f'{p:.2f}' for p in peaks)} GiB")
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak memory of this process (the reference loops): {peak:.2f} GiB")
+  if args.out:
+    import bench_learner
+    bench_learner.write_results(args.out, {
+        "description": __doc__.splitlines()[0], "parameters": int(params), "slots": args.slots,
+        "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "rows": [{**r, "vs_reference": r["tokens_per_s"] / reference} for r in rows],
+        "peak_client_gib": peak})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from copc_jax import estimators
 
@@ -33,23 +34,33 @@ def test_benchmark_script_runs():
   assert "scan/rlax" in result.stdout
 
 
-def test_learner_benchmark_runs_on_the_tiny_config():
+def test_learner_benchmark_runs_on_the_tiny_config(tmp_path):
+  import json
   result = subprocess.run(
-      [sys.executable, "experiments/bench_learner.py", "--configs", "tiny", "--steps", "1"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
+      [sys.executable, "experiments/bench_learner.py", "--configs", "tiny", "--steps", "1",
+       f"--out={tmp_path / 'learner.json'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "estimator" in result.stdout and " tiny |" in result.stdout
+  written = json.loads((tmp_path / "learner.json").read_text())
+  (row,) = written["rows"]
+  assert row["model"] == "tiny" and row["step_s"] > 0 and 0 < row["mfu"] < 1 and written["git_commit"]
+  assert row["forward_fraction"] + row["estimator_fraction"] + row["update_fraction"] == pytest.approx(1.0)
 
 
-def test_rollout_benchmark_runs_with_one_server():
+def test_rollout_benchmark_runs_with_one_server(tmp_path):
+  import json
   result = subprocess.run(
       [sys.executable, "experiments/bench_rollout.py", "--hidden=64", "--layers=1", "--new-tokens=8",
-       "--rounds=1", "--servers", "1", "--decode-steps", "4"], cwd=ROOT, capture_output=True, text=True,
-      timeout=600, env={**os.environ, "XLA_FLAGS": ""})
+       "--rounds=1", "--servers", "1", "--decode-steps", "4", f"--out={tmp_path / 'rollout.json'}"], cwd=ROOT,
+      capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
   assert "on-device generation (reference)" in result.stdout
   assert "1 server(s) via gRPC, 4 step(s)" in result.stdout
   assert result.stdout.count("× reference") == 2
+  rows = json.loads((tmp_path / "rollout.json").read_text())["rows"]
+  assert [r["path"] for r in rows] == ["on-device reference", "Python loop of the jitted step", "gRPC"]
+  assert rows[0]["vs_reference"] == 1.0 and rows[2]["servers"] == 1 and rows[2]["decode_steps"] == 4
+  assert rows[2]["tokens_per_s"] > 0 and len(rows[2]["peak_server_gib"]) == 1
 
 
 def test_loop_cost_script_runs_and_its_recurrence_is_right():
