@@ -137,23 +137,9 @@ def main():
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak resident memory of this process: {peak:.2f} GiB")
   if args.out:
-    write_results(args.out, {"description": __doc__.splitlines()[0], "steps": args.steps,
+    import study
+    study.write_benchmark(args.out, {"description": __doc__.splitlines()[0], "steps": args.steps,
                              "matmul_flops_per_s": rate, "rows": rows, "peak_resident_gib": peak})
-
-
-def write_results(path: str, results: dict) -> None:
-  """`results` with the command, commit and machine that produced them, as JSON."""
-  import json
-  import os
-  import platform
-  import subprocess
-  import sys
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-  with open(path, "w") as f:
-    json.dump({**results, "command": " ".join(["python", *sys.argv]), "git_commit": commit,
-               "jax_version": jax.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"},
-              f, indent=1)
 
 
 if __name__ == "__main__":

@@ -156,8 +156,8 @@ def main():
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak memory of this process (the reference loops): {peak:.2f} GiB")
   if args.out:
-    import bench_learner
-    bench_learner.write_results(args.out, {
+    import study
+    study.write_benchmark(args.out, {
         "description": __doc__.splitlines()[0], "parameters": int(params), "slots": args.slots,
         "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds,
         "rows": [{**r, "vs_reference": r["tokens_per_s"] / reference} for r in rows],

@@ -283,6 +283,12 @@ def _run(cells, seeds, config, root, out, common, target, description, servers) 
   return results
 
 
+def write_benchmark(path: str, results: dict) -> None:
+  """A benchmark's `results` as JSON, with the command, commit and machine that produced them."""
+  write_json(path, {**results, "command": " ".join(["python", *sys.argv]), "git_commit": git_commit(),
+                    **provenance()})
+
+
 def write_json(path: str, value) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path + ".tmp", "w") as f:

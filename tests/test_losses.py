@@ -27,12 +27,13 @@ def hand_policy_weight(name, b):
   r = np.exp(b["logp_prox"].astype(np.float64) - b["logp_behavior"])
   anchor = b["logp_behavior"] if name == "async_ppo" else b["logp_prox"]
   q = np.exp(b["logp_theta"].astype(np.float64) - anchor)
+  copc_spec_mask = ((r >= 0.5) & (r <= 2.0)).astype(float)
   behaviour = {
       "sync_ppo": np.ones_like(r), "async_ppo": np.ones_like(r), "vtrace": np.ones_like(r),
       "decoupled_ppo": np.minimum(r, 5.0), "tis": np.minimum(r, 2.0),
       "icepop": np.where((r >= 0.5) & (r <= 5.0), r, 0.0),
       "mis": np.where((r >= 0.5) & (r <= 5.0), r, 0.0),
-      "copc": ((r >= 0.5) & (r <= 2.0)).astype(float), "copc_spec": ((r >= 0.5) & (r <= 2.0)).astype(float),
+      "copc": copc_spec_mask, "copc_spec": copc_spec_mask,
   }[name]
   adv = b["advantages"]
   clipped = ((adv > 0) & (q > 1 + EPS_HIGH)) | ((adv < 0) & (q < 1 - EPS_LOW))
