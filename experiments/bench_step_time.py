@@ -21,11 +21,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # for configs/
 
-from configs import default  # noqa: E402
+from configs import default, search  # noqa: E402
 from copc_jax import config as config_lib  # noqa: E402
 from copc_jax.envs.tasks import make_task  # noqa: E402
 from copc_jax.train import metrics, trainer, warm_start  # noqa: E402
 
+CONFIGS = {"default": default, "search": search}      # tool arithmetic; knowledge search (1–3 turns)
 METHODS = (("sync PPO", "sync_ppo", "sync"), ("async PPO", "async_ppo", "async"),
            ("async COPC", "copc", "async"))
 
@@ -40,10 +41,10 @@ def with_latency(tool, median_s: float, seed: int, sigma: float = 1.0):
   return slow_tool
 
 
-def warm_start_of(warm_dir: str, warm_steps: int | None = None) -> str:
-  """The default config's warm-started model (built once in `warm_dir`, then cached); `warm_steps`
-  overrides the config's number of warm-start steps."""
-  raw = default.get_config()
+def warm_start_of(warm_dir: str, warm_steps: int | None = None, config_name: str = "default") -> str:
+  """The config's warm-started model (built once in `warm_dir`, then cached); `warm_steps` overrides
+  the config's number of warm-start steps."""
+  raw = CONFIGS[config_name].get_config()
   if warm_steps is not None:
     raw.warm_start.steps = warm_steps
   config = config_lib.from_config_dict(raw)
@@ -52,19 +53,21 @@ def warm_start_of(warm_dir: str, warm_steps: int | None = None) -> str:
                             config.warm_start, seed=config.seed)
 
 
-def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s, sigma=1.0, warm_steps=None):
-  raw = default.get_config(preset)
+def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s, sigma=1.0, warm_steps=None,
+               config_name="default"):
+  raw = CONFIGS[config_name].get_config(preset)
   raw.trainer.update(dict(mode=mode, steps=steps, eval_every=0, checkpoint_every=steps, progress_bar=False))
   os.makedirs(workdir)
   shutil.copytree(os.path.join(warm_dir, "base"), os.path.join(workdir, "base"))
   run = trainer.Trainer(config_lib.from_config_dict(raw), workdir,
-                        actor_checkpoint=warm_start_of(warm_dir, warm_steps))
+                        actor_checkpoint=warm_start_of(warm_dir, warm_steps, config_name))
   if tool_latency_s:
     run.task.tool = with_latency(run.task.tool, tool_latency_s, seed=0, sigma=sigma)
   run.run()
   rows = [r for r in metrics.read_metrics(workdir) if r["step"] > 3]
   return {**{key: float(np.mean([r[key] for r in rows]))
-             for key in ("step_time_s", "rollout_wait_s", "train_s", "weight_sync_s", "staleness_mean")},
+             for key in ("step_time_s", "rollout_wait_s", "train_s", "weight_sync_s", "staleness_mean",
+                         "response_len_mean", "response_len_max", "turns_mean")},
           "step_times_s": [float(r["step_time_s"]) for r in rows]}
 
 

@@ -94,7 +94,8 @@ def test_advantage_staleness_statistics():
 def test_step_time_ratios_and_render(tmp_path):
   module = load("step_time")
   method = lambda t: {"step_time_s": t, "rollout_wait_s": t / 2, "train_s": 0.1, "weight_sync_s": 0.01,
-                      "staleness_mean": 1.0, "step_times_s": [t, t, 2 * t]}
+                      "staleness_mean": 1.0, "step_times_s": [t, t, 2 * t], "response_len_mean": 20.0,
+                      "response_len_max": 41.0}
   regime = {"tool_latency_median_s": 0.5, "tool_latency_sigma": 1.0,
             "methods": {"sync PPO": method(3.0), "async PPO": method(1.5), "async COPC": method(1.65)}}
   assert module.ratios(regime) == pytest.approx({"async_ppo_speedup": 2.0, "copc_speedup": 3.0 / 1.65,
@@ -104,6 +105,7 @@ def test_step_time_ratios_and_render(tmp_path):
   module.render(results, here=str(tmp_path))
   text = (tmp_path / "README.md").read_text()
   assert "| 0.5 s | 2.00× | 1.82× | +10.0% |" in text and (tmp_path / "speedup.png").exists()
+  assert "| 20.0 / 41.0 | 1.82× |" in text
 
 
 def test_search_stability_cells_and_render(tmp_path):

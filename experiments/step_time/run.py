@@ -1,15 +1,19 @@
-"""Study: step time of sync PPO, async PPO and async COPC across tool-latency regimes, in one run.
+"""Study: step time of sync PPO, async PPO and async COPC across tool-latency and response-length regimes.
 
-  python experiments/step_time/run.py                 # 5 regimes × 3 methods × 20 updates, ~30 min here
+  python experiments/step_time/run.py                 # 6 regimes × 3 methods × 20 updates, ~40 min here
   python experiments/step_time/run.py --render        # table and figure from results.json
 
-Every method trains the default config's tiny model from one shared warm start against two local
+Every method trains the config's tiny model from one shared warm start against two local
 JetStream servers (`bench_step_time.run_method`); the step time is the mean over updates 4 … N
 (compilation excluded). A regime adds a log-normal delay to every tool call (median m, shape σ):
 none; m = 0.1, 0.5, 2 s with σ = 0.25 (a steady service); m = 0.5 s with σ = 1.0 (long-tailed: p99
-≈ 10 × m, the straggler that holds a synchronous batch back). Speedups are against sync PPO of the
-same regime; COPC's overhead is against async PPO of the same regime. Timings need a quiet machine:
-run nothing else alongside.
+≈ 10 × m, the straggler that holds a synchronous batch back). The response-length regime swaps the
+task for knowledge search (`configs/search.py`, its own warm start): 1- and 2-hop questions, 1–3
+turns with a retrieved passage between them, so the length of an episode varies with the number of
+searches; the table reports each regime's mean and longest response (tokens the policy wrote,
+averaged over updates), so the spread is measured rather than assumed. Speedups are against sync
+PPO of the same regime; COPC's overhead is against async PPO of the same regime. Timings need a
+quiet machine: run nothing else alongside.
 """
 
 from __future__ import annotations
@@ -29,26 +33,28 @@ sys.path.insert(0, os.path.dirname(HERE))
 import bench_step_time  # noqa: E402
 import study  # noqa: E402
 
-REGIMES = {"none": (0.0, 0.0), "0.1 s": (0.1, 0.25), "0.5 s": (0.5, 0.25), "2 s": (2.0, 0.25),
-           "0.5 s, long tail": (0.5, 1.0)}
+REGIMES = {                    # name: (config, added tool latency's median (s), its log-normal σ)
+    "none": ("default", 0.0, 0.0), "0.1 s": ("default", 0.1, 0.25), "0.5 s": ("default", 0.5, 0.25),
+    "2 s": ("default", 2.0, 0.25), "0.5 s, long tail": ("default", 0.5, 1.0),
+    "length spread (search)": ("search", 0.0, 0.0)}
 
 
 def measure(args, results: dict) -> dict:
   import jax
   root = tempfile.mkdtemp(prefix="copc_step_time_")
   try:
-    warm_dir = os.path.join(root, "warm")
-    bench_step_time.warm_start_of(warm_dir)
     for regime in args.regimes:
       if regime in results.get("regimes", {}):
         continue
-      median, sigma = REGIMES[regime]
+      config_name, median, sigma = REGIMES[regime]
       print(f"regime {regime}", flush=True)
+      warm_dir = os.path.join(root, f"warm_{config_name}")
+      bench_step_time.warm_start_of(warm_dir, config_name=config_name)
       workdir = lambda preset, mode, regime=regime: os.path.join(root, f"{preset}_{mode}_{regime}")
       methods = {name: bench_step_time.run_method(preset, mode, args.steps, warm_dir, workdir(preset, mode),
-                                                  median, sigma)
+                                                  median, sigma, config_name=config_name)
                  for name, preset, mode in bench_step_time.METHODS}
-      results.setdefault("regimes", {})[regime] = {"tool_latency_median_s": median,
+      results.setdefault("regimes", {})[regime] = {"config": config_name, "tool_latency_median_s": median,
                                                    "tool_latency_sigma": sigma, "methods": methods}
       results.update({"description": __doc__.splitlines()[0], "steps": args.steps,
                       "git_commit": study.git_commit(), **study.provenance(), "jax_version": jax.__version__})
@@ -65,6 +71,12 @@ def ratios(regime: dict) -> dict:
           "copc_overhead": copc / async_ppo - 1}
 
 
+def length_cell(method: dict) -> str:
+  if "response_len_max" not in method:
+    return "–"
+  return f"{method['response_len_mean']:.1f} / {method['response_len_max']:.1f}"
+
+
 def render(results: dict, here: str = HERE) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -73,8 +85,9 @@ def render(results: dict, here: str = HERE) -> None:
   steps = results["steps"]
   lines = [f"{steps} updates per method and regime (mean over updates 4 … {steps}); commit "
            f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}.", "",
-           "| tool latency | method | step time (s) | p90 (s) | rollout wait (s) | train (s) | "
-           "weight sync (s) | staleness | speedup over sync |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| regime | method | step time (s) | p90 (s) | rollout wait (s) | train (s) | "
+           "weight sync (s) | staleness | response tokens: mean / longest | speedup over sync |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for regime in names:
     entry = results["regimes"][regime]
     sync = entry["methods"]["sync PPO"]["step_time_s"]
@@ -82,8 +95,9 @@ def render(results: dict, here: str = HERE) -> None:
       lines.append(f"| {regime if j == 0 else ''} | {method} | {r['step_time_s']:.2f} | "
                    f"{np.percentile(r['step_times_s'], 90):.2f} | {r['rollout_wait_s']:.2f} | "
                    f"{r['train_s']:.2f} | "
-                   f"{r['weight_sync_s']:.3f} | {r['staleness_mean']:.2f} | {sync / r['step_time_s']:.2f}× |")
-  lines += ["", "| tool latency | async PPO over sync | async COPC over sync | "
+                   f"{r['weight_sync_s']:.3f} | {r['staleness_mean']:.2f} | {length_cell(r)} | "
+                   f"{sync / r['step_time_s']:.2f}× |")
+  lines += ["", "| regime | async PPO over sync | async COPC over sync | "
             "COPC's overhead over async PPO |",
             "|---|---:|---:|---:|"]
   for regime in names:
@@ -101,7 +115,7 @@ def render(results: dict, here: str = HERE) -> None:
   axes[1].set_title("COPC's step time over async PPO (%)")
   for ax in axes:
     ax.set_xticks(x, names, fontsize=8)
-    ax.set_xlabel("added tool latency (median)")
+    ax.set_xlabel("regime (added tool latency's median, or the search task's spread lengths)")
     ax.grid(alpha=0.3, axis="y")
   axes[0].legend(fontsize=8)
   fig.tight_layout()
