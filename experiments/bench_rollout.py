@@ -111,6 +111,19 @@ def served_tokens_per_s(pool: RolloutPool, concurrent: int, prompt_len: int, new
   return best
 
 
+def one_request_s(pool: RolloutPool, prompt_len: int, new_tokens: int, vocab: int, rounds: int):
+  """Best wall time of one request alone and the tokens it got (a random model may stop early)."""
+  rng = np.random.default_rng(2)
+  best = (float("inf"), 0)
+  for r in range(rounds + 1):
+    start = time.perf_counter()
+    out = pool.generate(rng.integers(3, vocab, size=prompt_len).tolist(), max_tokens=new_tokens)
+    elapsed = time.perf_counter() - start
+    if r and elapsed < best[0]:
+      best = (elapsed, len(out.token_ids))
+  return best
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--hidden", type=int, default=256)
@@ -122,6 +135,8 @@ def main():
   parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--decode-steps", type=int, nargs="+", default=[1, 4],
                       help="tokens per slot per engine call on the servers")
+  parser.add_argument("--concurrent", type=int, nargs="*", default=[],
+                      help="also: this many concurrent requests on the largest number of servers")
   parser.add_argument("--out", help="also write the numbers here (JSON, with provenance)")
   args = parser.parse_args()
   rows = []
@@ -141,18 +156,21 @@ def main():
     print(f"Python loop of the jitted step:   {bare:8.1f} tokens/s   ({bare / reference:.2f}× reference)")
     rows += [{"path": "on-device reference", "tokens_per_s": reference},
              {"path": "Python loop of the jitted step", "tokens_per_s": bare}]
-    for steps in args.decode_steps:
-      for n in args.servers:
-        with RolloutPool(tmp, num_servers=n, max_in_flight=args.slots, slots=args.slots,
-                         max_prefill_length=32, max_length=max_length, decode_steps=steps) as pool:
-          rate = served_tokens_per_s(pool, n * args.slots, args.prompt, args.new_tokens,
-                                     model.config.vocab_size, args.rounds)
-          peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
-        rows.append({"path": "gRPC", "servers": n, "decode_steps": steps, "tokens_per_s": rate,
-                     "peak_server_gib": peaks})
-        print(f"{n} server(s) via gRPC, {steps} step(s)/call: {rate:8.1f} tokens/s   "
-              f"({rate / reference:.2f}× reference); peak memory per server: "
-              f"{', '.join(f'{p:.2f}' for p in peaks)} GiB")
+    cases = [(steps, n, n * args.slots) for steps in args.decode_steps for n in args.servers]
+    cases += [(args.decode_steps[0], max(args.servers), c) for c in args.concurrent]
+    for steps, n, concurrent in cases:
+      with RolloutPool(tmp, num_servers=n, max_in_flight=max(args.slots, concurrent // n), slots=args.slots,
+                       max_prefill_length=32, max_length=max_length, decode_steps=steps) as pool:
+        rate = served_tokens_per_s(pool, concurrent, args.prompt, args.new_tokens, model.config.vocab_size,
+                                   args.rounds)
+        peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
+        if (steps, n, concurrent) == cases[0]:        # where a served batch's time goes, on this pool
+          breakdown = cost_breakdown(pool, args, model.config.vocab_size, reference)
+      rows.append({"path": "gRPC", "servers": n, "decode_steps": steps, "concurrent": concurrent,
+                   "tokens_per_s": rate, "peak_server_gib": peaks})
+      print(f"{n} server(s) via gRPC, {steps} step(s)/call, {concurrent} concurrent: {rate:8.1f} tokens/s   "
+            f"({rate / reference:.2f}× reference); peak memory per server: "
+            f"{', '.join(f'{p:.2f}' for p in peaks)} GiB")
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak memory of this process (the reference loops): {peak:.2f} GiB")
   if args.out:
@@ -161,7 +179,21 @@ def main():
         "description": __doc__.splitlines()[0], "parameters": int(params), "slots": args.slots,
         "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds,
         "rows": [{**r, "vs_reference": r["tokens_per_s"] / reference} for r in rows],
-        "peak_client_gib": peak})
+        "breakdown": breakdown, "peak_client_gib": peak})
+
+
+def cost_breakdown(pool: RolloutPool, args, vocab: int, reference: float) -> dict:
+  """A served request's fixed cost (one request, one token) and its cost per further decode step (one
+  request, `new_tokens`), against the reference's time per decode step of a full batch."""
+  fixed_s, _ = one_request_s(pool, args.prompt, 1, vocab, args.rounds)
+  whole_s, tokens = one_request_s(pool, args.prompt, args.new_tokens, vocab, args.rounds)
+  result = {"request_fixed_ms": 1e3 * fixed_s,
+            "served_step_ms": 1e3 * (whole_s - fixed_s) / max(tokens - 1, 1),
+            "reference_step_ms": 1e3 * args.slots / reference}
+  print(f"one request: {result['request_fixed_ms']:.1f} ms fixed (1 token), then "
+        f"{result['served_step_ms']:.2f} ms per decode step; the reference: "
+        f"{result['reference_step_ms']:.2f} ms per step of {args.slots} slots (prefill included)")
+  return result
 
 
 if __name__ == "__main__":

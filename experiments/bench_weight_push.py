@@ -1,20 +1,23 @@
-"""Weight push time: servers reading each version from a path vs the bytes streamed over gRPC.
+"""Weight sync time of the trainer's own push (`WeightStore.push`) for each weight transfer.
 
-  python experiments/bench_weight_push.py                   # the 100M config, 1 and 4 servers
+  python experiments/bench_weight_push.py                   # the 100M config, 1, 2 and 4 servers
   python experiments/bench_weight_push.py --out experiments/results/weight_push.json
 
-A model of bench_learner's config is saved as two versions; for each number of local servers, a
-pool pushes alternating versions `--rounds` times with `weight_transfer="path"` (each server reads
-the safetensors file itself) and `"stream"` (this process reads it and streams 4 MiB chunks to every
-server in parallel, as to servers that share no filesystem). Reported: the median seconds per push
-(every server has swapped) and stream/path, measured in the same run.
+A model of bench_learner's config is pushed to local servers `--rounds` times per transfer, each
+time as a new version, exactly as the trainer does after an update (what its `weight_sync_s` times):
+  path    the learner saves the version's safetensors in the workdir, every server reads the file;
+  stream  the learner saves the file, then streams its bytes in 4 MiB gRPC chunks to every server;
+  memory  the learner serializes the weights in memory and streams those bytes; nothing on disk.
+Reported: the median seconds per push (saved, and swapped on every server), and each transfer's
+share of the learner's step for the same config when `experiments/results/learner.json` has it
+(measured by bench_learner in its own run; its commit is written next to the share).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -24,77 +27,90 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_learner  # noqa: E402
 import jax  # noqa: E402
+import study  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from copc_jax.models import hf_io, tiny  # noqa: E402
 from copc_jax.models.decoder import Decoder  # noqa: E402
 from copc_jax.rollout.pool import RolloutPool  # noqa: E402
 from copc_jax.rollout.process import ServerProcess  # noqa: E402
+from copc_jax.train.weights import WeightStore  # noqa: E402
+
+TRANSFERS = ("path", "stream", "memory")
+LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "learner.json")
 
 
-def save_versions(directory: str, config_name: str) -> tuple[list[str], float]:
-  overrides = bench_learner.CONFIGS[config_name][0]
-  config = tiny.tiny_config("qwen2", **overrides)
-  paths = []
-  for seed in (1, 2):
-    model = Decoder(config, rngs=nnx.Rngs(seed))
-    paths.append(os.path.join(directory, f"v{seed}"))
-    hf_io.save_pretrained(model, paths[-1])
-  params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  return paths, params
-
-
-def time_pushes(addresses, paths, transfer: str, rounds: int, first_version: int) -> list[float]:
+def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, first_version: int) -> list:
+  """Seconds of `rounds` pushes of new versions through the trainer's WeightStore (the first push of a
+  pool is not timed: it resets the servers)."""
   times = []
-  with RolloutPool(addresses=addresses, weight_transfer=transfer) as pool:
-    for i in range(rounds + 1):                      # the first push of a pool resets: not timed
+  with RolloutPool(addresses=addresses, weight_transfer="stream" if transfer == "stream" else "path") as pool:
+    store = WeightStore(os.path.join(directory, transfer), pool, in_memory=transfer == "memory")
+    for i in range(rounds + 1):
       start = time.perf_counter()
-      pool.update_weights(paths[i % 2], first_version + i)
+      store.push(first_version + i, actor)
       if i:
         times.append(time.perf_counter() - start)
+      store.prune(first_version + i)
   return times
+
+
+def learner_step_s(config_name: str) -> tuple[float, str] | None:
+  """The learner's step time for `config_name` and the commit it was measured at, from bench_learner's JSON."""
+  if not os.path.exists(LEARNER_JSON):
+    return None
+  with open(LEARNER_JSON) as f:
+    learner = json.load(f)
+  rows = [r for r in learner["rows"] if r.get("model") == config_name and "step_s" in r]
+  return (rows[0]["step_s"], learner["git_commit"]) if rows else None
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="100m", choices=list(bench_learner.CONFIGS))
-  parser.add_argument("--servers", type=int, nargs="+", default=[1, 4])
+  parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--out", help="also write the numbers here (JSON)")
   args = parser.parse_args()
+  actor = Decoder(tiny.tiny_config("qwen2", **bench_learner.CONFIGS[args.config][0]), rngs=nnx.Rngs(1))
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
+  step = learner_step_s(args.config)
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    paths, params = save_versions(tmp, args.config)
-    size = os.path.getsize(os.path.join(paths[0], hf_io.SAFETENSORS_SINGLE))
+    base = os.path.join(tmp, "base")
+    hf_io.save_pretrained(actor, base)
+    size = os.path.getsize(os.path.join(base, hf_io.SAFETENSORS_SINGLE))
     print(f"model {args.config}: {params / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB per version; median of "
-          f"{args.rounds} pushes\n")
-    print("| servers | path (s) | stream (s) | stream / path |")
-    print("|---:|---:|---:|---:|")
+          f"{args.rounds} pushes" + (f"; share of the learner step ({step[0]:.2f} s, learner.json at "
+                                     f"{step[1][:10]})" if step else "") + "\n")
+    print("| servers | " + " | ".join(f"{t} (s)" for t in TRANSFERS) + " | memory / path |"
+          + (" memory share of the step |" if step else ""))
+    print("|---:|" + "---:|" * (len(TRANSFERS) + 1 + bool(step)))
     for n in args.servers:
-      servers = [ServerProcess(paths[0], slots=2, max_prefill_length=16, max_length=32, seed=i, version=-1)
+      servers = [ServerProcess(base, slots=2, max_prefill_length=16, max_length=32, seed=i, version=-1)
                  for i in range(n)]
       try:
         addresses = [s.wait_ready(600) for s in servers]
-        version = 0
         medians = {}
-        for transfer in ("path", "stream"):
-          medians[transfer] = statistics.median(time_pushes(addresses, paths, transfer, args.rounds, version))
-          version += args.rounds + 1
+        for j, transfer in enumerate(TRANSFERS):
+          times = time_pushes(addresses, actor, tmp, transfer, args.rounds, j * (args.rounds + 1))
+          medians[transfer] = statistics.median(times)
       finally:
         for s in servers:
           s.stop()
-      rows.append({"servers": n, "path_s": medians["path"], "stream_s": medians["stream"]})
-      print(f"| {n} | {medians['path']:.2f} | {medians['stream']:.2f} | "
-            f"{medians['stream'] / medians['path']:.2f}× |", flush=True)
+      row = {"servers": n, **{f"{t}_s": medians[t] for t in TRANSFERS}}
+      if step:
+        row.update({f"{t}_share_of_step": medians[t] / step[0] for t in TRANSFERS})
+      rows.append(row)
+      print(f"| {n} | " + " | ".join(f"{medians[t]:.2f}" for t in TRANSFERS)
+            + f" | {medians['memory'] / medians['path']:.2f}× |"
+            + (f" {100 * row['memory_share_of_step']:.0f}% |" if step else ""), flush=True)
   if args.out:
-    import json
-    import subprocess
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    with open(args.out, "w") as f:
-      json.dump({"description": __doc__.splitlines()[0], "config": args.config, "parameters": params,
-                 "bytes_per_version": size, "rounds": args.rounds, "rows": rows, "git_commit": commit,
-                 "jax_version": jax.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"},
-                f, indent=1)
+    study.write_benchmark(args.out, {
+        "description": __doc__.splitlines()[0], "config": args.config, "parameters": params,
+        "bytes_per_version": size, "rounds": args.rounds, "rows": rows,
+        "learner_step": {"step_s": step[0], "git_commit": step[1]} if step else None,
+        "jax_version": jax.__version__})
 
 
 if __name__ == "__main__":

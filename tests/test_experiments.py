@@ -51,16 +51,20 @@ def test_rollout_benchmark_runs_with_one_server(tmp_path):
   import json
   result = subprocess.run(
       [sys.executable, "experiments/bench_rollout.py", "--hidden=64", "--layers=1", "--new-tokens=8",
-       "--rounds=1", "--servers", "1", "--decode-steps", "4", f"--out={tmp_path / 'rollout.json'}"], cwd=ROOT,
+       "--rounds=1", "--servers", "1", "--decode-steps", "4", "--concurrent", "6",
+       f"--out={tmp_path / 'rollout.json'}"], cwd=ROOT,
       capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
   assert "on-device generation (reference)" in result.stdout
   assert "1 server(s) via gRPC, 4 step(s)" in result.stdout
-  assert result.stdout.count("× reference") == 2
+  assert result.stdout.count("× reference") == 3
   rows = json.loads((tmp_path / "rollout.json").read_text())["rows"]
-  assert [r["path"] for r in rows] == ["on-device reference", "Python loop of the jitted step", "gRPC"]
+  assert [r["path"] for r in rows] == ["on-device reference", "Python loop of the jitted step", "gRPC", "gRPC"]
   assert rows[0]["vs_reference"] == 1.0 and rows[2]["servers"] == 1 and rows[2]["decode_steps"] == 4
   assert rows[2]["tokens_per_s"] > 0 and len(rows[2]["peak_server_gib"]) == 1
+  assert rows[3]["concurrent"] == 6 and rows[3]["servers"] == 1 and rows[3]["tokens_per_s"] > 0
+  breakdown = json.loads((tmp_path / "rollout.json").read_text())["breakdown"]
+  assert breakdown["request_fixed_ms"] > 0 and breakdown["reference_step_ms"] > 0
 
 
 def test_loop_cost_script_runs_and_its_recurrence_is_right():
@@ -81,7 +85,7 @@ def test_loop_cost_script_runs_and_its_recurrence_is_right():
   assert "ns/lane-step" in result.stdout and result.stdout.count("\n    4 ") == 4
 
 
-def test_weight_push_benchmark_runs_both_transfers(tmp_path):
+def test_weight_push_benchmark_runs_every_transfer(tmp_path):
   import json
   result = subprocess.run(
       [sys.executable, "experiments/bench_weight_push.py", "--config=tiny", "--servers", "1", "--rounds=1",
@@ -89,4 +93,5 @@ def test_weight_push_benchmark_runs_both_transfers(tmp_path):
       env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
   row = json.loads((tmp_path / "push.json").read_text())["rows"][0]
-  assert row["servers"] == 1 and row["path_s"] > 0 and row["stream_s"] > 0 and "| 1 |" in result.stdout
+  assert row["servers"] == 1 and all(row[f"{t}_s"] > 0 for t in ("path", "stream", "memory"))
+  assert "| 1 |" in result.stdout and row["path_share_of_step"] > 0     # learner.json has the tiny step

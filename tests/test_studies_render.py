@@ -93,11 +93,14 @@ def test_advantage_staleness_statistics():
 
 def test_step_time_ratios_and_render(tmp_path):
   module = load("step_time")
-  method = lambda t: {"step_time_s": t, "rollout_wait_s": t / 2, "train_s": 0.1, "weight_sync_s": 0.01,
-                      "staleness_mean": 1.0, "step_times_s": [t, t, 2 * t], "response_len_mean": 20.0,
-                      "response_len_max": 41.0}
+  def method(t, stall=0.0):                  # a stall: one slow step (a server restarted mid-run)
+    times = [t, t, t + stall]
+    return {"step_time_s": float(np.mean(times)), "rollout_wait_s": t / 2, "train_s": 0.1,
+            "weight_sync_s": 0.01, "staleness_mean": 1.0, "step_times_s": times, "response_len_mean": 20.0,
+            "response_len_max": 41.0}
   regime = {"tool_latency_median_s": 0.5, "tool_latency_sigma": 1.0,
-            "methods": {"sync PPO": method(3.0), "async PPO": method(1.5), "async COPC": method(1.65)}}
+            "methods": {"sync PPO": method(3.0), "async PPO": method(1.5, stall=9.0),
+                        "async COPC": method(1.65)}}
   assert module.ratios(regime) == pytest.approx({"async_ppo_speedup": 2.0, "copc_speedup": 3.0 / 1.65,
                                                  "copc_overhead": 0.1})
   results = {"steps": 20, "git_commit": "abc", "jax_version": "0", "machine": "x", "regimes": {"0.5 s": regime}}

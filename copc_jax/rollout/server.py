@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 
 import grpc
 import jax
@@ -52,8 +53,32 @@ class RLActiveRequest(orchestrator.ActiveRequest):
     self.sampling = sampling
 
 
+# JetStream 0.2.2's generate loop asserts this after its insert pass; a race can make it false.
+GENERATE_RACE = "At this point we must have some requests inserted into the slots."
+
+
 class CopcDriver(orchestrator.Driver):
-  """JetStream's Driver; hands each request's sampling options to the engine's prefill."""
+  """JetStream's Driver; hands each request's sampling options to the engine's prefill, and survives
+  the generate loop's race (`_generate_thread`)."""
+
+  def _generate_thread(self, idx: int):
+    """JetStream's generate loop, started over where 0.2.2 trips on its own race.
+
+    The loop notes how many slots are free, takes one, finds no new request and puts the slot back;
+    if the detokenize thread frees the last busy slots in between, the loop's assertion that some
+    slot is busy fails, and JetStream SIGKILLs the whole server. At that moment every slot is free:
+    no request is in flight, so the loop starts over with a fresh decode state and loses nothing.
+    """
+    while True:
+      try:
+        return super()._generate_thread(idx)
+      except AssertionError as err:
+        if str(err) != GENERATE_RACE or not self.live:
+          raise
+        free = self._generate_slots[idx].qsize()
+        if free != self._generate_engines[idx].max_concurrent_decodes:
+          raise                                  # a request is in flight: not the race, do not hide it
+        logging.info("generate loop %d: every slot was freed during its insert pass; starting over", idx)
 
   def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
     for engine in self._prefill_engines:

@@ -87,3 +87,57 @@ def test_result_processing_of_several_decode_steps_per_row_stops_where_the_sampl
 def test_stock_proto_still_loads():
   request = jetstream_pb2.DecodeRequest(max_tokens=3)
   assert request.max_tokens == 3
+
+
+class _Engine:
+  """What JetStream's generate loop asks of an engine, counting fresh decode states."""
+  max_concurrent_decodes = 2
+
+  def __init__(self):
+    self.decode_states = 0
+
+  def init_decode_state(self):
+    self.decode_states += 1
+    return object()
+
+  def generate(self, params, decode_state):
+    raise AssertionError("no slot holds a request: nothing to generate")
+
+
+def _driver_in_the_race(driver_class):
+  """A driver whose generate loop meets 0.2.2's race: slot 1 is busy when the loop counts free slots;
+  the loop takes slot 0, finds no request and puts it back; at that moment the detokenize thread frees
+  slot 1 (its request finished) and the server is asked to stop (None in the generate backlog)."""
+  import queue
+
+  from copc_jax.rollout import server
+
+  class Slots(queue.Queue):
+    freed = False
+
+    def put(self, item, block=True, timeout=None):
+      super().put(item, block, timeout)
+      if item == 0 and not self.freed:
+        self.freed = True
+        super().put(1)               # the detokenize thread, in between
+        backlog.put(None)
+
+  driver = object.__new__(driver_class)
+  engine, backlog, slots = _Engine(), queue.Queue(), Slots(2)
+  queue.Queue.put(slots, 0)          # slot 0 free, slot 1 busy
+  driver.live, driver._interleaved_mode, driver._metrics_collector = True, False, None
+  driver._generate_engines, driver._generate_params, driver._generate_slots = [engine], [None], [slots]
+  driver._generate_backlogs, driver._detokenize_backlogs = {0: backlog}, [queue.Queue(8)]
+  driver._prefill_backlog, driver._transfer_backlogs = queue.Queue(), [queue.Queue(4)]
+  assert server.CopcDriver.__mro__[1] is jetstream_compat.install()[1].Driver
+  return driver, engine
+
+
+def test_the_generate_loop_survives_jetstream_s_slot_race():
+  from copc_jax.rollout import server
+  stock, _ = _driver_in_the_race(jetstream_compat.install()[1].Driver)
+  with pytest.raises(AssertionError, match="must have some requests inserted"):   # what kills a 0.2.2 server
+    stock._generate_thread(0)
+  driver, engine = _driver_in_the_race(server.CopcDriver)
+  assert driver._generate_thread(0) is None        # started over, then stopped when asked
+  assert engine.decode_states == 2                  # a fresh decode state after the race
