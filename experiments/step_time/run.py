@@ -117,7 +117,7 @@ def render(results: dict, here: str = HERE) -> None:
   axes[1].axhline(0.0, color="k", lw=0.8)
   axes[1].set_title("COPC's step time over async PPO (%)")
   for ax in axes:
-    ax.set_xticks(x, names, fontsize=8)
+    ax.set_xticks(x, [n.replace(", ", ",\n").replace(" (", "\n(") for n in names], fontsize=8)
     ax.set_xlabel("regime (added tool latency's median, or the search task's spread lengths)")
     ax.grid(alpha=0.3, axis="y")
   axes[0].legend(fontsize=8)
