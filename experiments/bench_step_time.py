@@ -64,7 +64,7 @@ def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s, sigma=1.0
   if tool_latency_s:
     run.task.tool = with_latency(run.task.tool, tool_latency_s, seed=0, sigma=sigma)
   run.run()
-  rows = [r for r in metrics.read_metrics(workdir) if r["step"] > 3]
+  rows = [r for r in metrics.update_rows(metrics.read_metrics(workdir)) if r["step"] > 3]
   return {**{key: float(np.mean([r[key] for r in rows]))
              for key in ("step_time_s", "rollout_wait_s", "train_s", "weight_sync_s", "staleness_mean",
                          "response_len_mean", "response_len_max", "turns_mean")},

@@ -47,12 +47,14 @@ def run_one(seed: int, workdir: str, extra: list[str]) -> dict:
     subprocess.run(command, cwd=ROOT, check=True)
   with open(summary_path) as f:
     summary = json.load(f)
-  rows = [r for r in metrics.read_metrics(workdir) if r.get("step", 0) >= 1]
+  everything = metrics.read_metrics(workdir)
+  rows = metrics.update_rows(everything)
   return {
       "seed": seed, "workdir_name": os.path.basename(workdir),
       "initial_eval_accuracy": summary["initial_eval_accuracy"],
       "final_eval_accuracy": summary["final_eval_accuracy"],
-      "eval_curve": [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None],
+      "eval_curve": [(r["step"], r["eval_accuracy"]) for r in everything
+                     if r.get("step", 0) >= 1 and r.get("eval_accuracy") is not None],
       "reward_first_10": float(np.mean([r["reward_mean"] for r in rows[:10]])),
       "reward_last_10": float(np.mean([r["reward_mean"] for r in rows[-10:]])),
       "staleness_mean": float(np.mean([r["staleness_mean"] for r in rows])),

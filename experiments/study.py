@@ -170,7 +170,7 @@ def summarise(workdir: str, target: float) -> dict:
   from copc_jax.train import metrics
   rows = metrics.read_metrics(workdir)
   curve = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
-  updates = [r for r in rows if r.get("step", 0) >= 1]
+  updates = metrics.update_rows(rows)
   steps, accuracy = np.array([s for s, _ in curve], float), np.array([a for _, a in curve], float)
   reached = [s for s, a in curve if a >= target]
   mean_of = lambda key: float(np.mean([r[key] for r in updates if r.get(key) is not None]))

@@ -38,6 +38,12 @@ def read_metrics(workdir: str) -> list[dict]:
   return rows
 
 
+def update_rows(rows: list[dict]) -> list[dict]:
+  """The rows of updates; the others are evaluation-only rows (before RL at step 0, or of a step
+  whose evaluation a stopped run left to its resume)."""
+  return [row for row in rows if "reward_mean" in row]
+
+
 def _plain(value):
   value = np.asarray(value).item() if not isinstance(value, int | float | str | bool) else value
   if isinstance(value, float) and not math.isfinite(value):

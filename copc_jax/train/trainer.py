@@ -50,7 +50,7 @@ from copc_jax.train import checkpoint, multihost, rollouts, server_check, warm_s
 from copc_jax.train import workdir as workdir_lib
 from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
-from copc_jax.train.metrics import MetricsLogger, read_metrics
+from copc_jax.train.metrics import MetricsLogger, read_metrics, update_rows
 from copc_jax.train.timing import PhaseTimer
 from copc_jax.train.weights import WeightStore
 
@@ -353,10 +353,11 @@ class Trainer:
         row.update(self.timer.lap(), **source.metrics())
         row["step_time_s"] = sum(row.get(phase, 0.0) for phase in STEP_PHASES)
         final = self.step == c.steps
-        if (c.eval_every and self.step % c.eval_every == 0) or final:
+        if self._evaluation_due():
           with self.timer("eval_s"):
             row.update(evaluator(self.step, self.learner.actor))
           row.update(self.timer.lap())
+          self.record["evaluated_step"] = self.step
         logger.write(row)
         row = None
         if self.step % c.checkpoint_every == 0 or final:
@@ -388,11 +389,20 @@ class Trainer:
                                    shard_count=self.processes, state=saved.get("iterator"))
     return rollouts.PromptSource(iterator, saved.get("requeued"), saved.get("draws", 0))
 
+  def _evaluation_due(self) -> bool:
+    return bool(self.cfg.eval_every and self.step % self.cfg.eval_every == 0) or self.step == self.cfg.steps
+
   def _first_evaluation(self, evaluator, logger) -> None:
     if self.resuming:
       logger.note(f"resumed from step {self.step} (weights version {self.step}) in {self.workdir}")
+      if self._evaluation_due() and self.record.get("evaluated_step", self.step) != self.step:
+        evaluation = evaluator(self.step, self.learner.actor)      # the run stopped before this one
+        if evaluation:                                             # (the chief's; other processes: {})
+          logger.write({"step": self.step, **evaluation})
+        self.record["evaluated_step"] = self.step
       return
     evaluation = evaluator(self.step, self.learner.actor)
+    self.record["evaluated_step"] = self.step
     if evaluation:
       self.record["initial_eval_accuracy"] = evaluation["eval_accuracy"]
       logger.write({"step": 0, **evaluation})
@@ -462,8 +472,10 @@ class Trainer:
   def _summary(self, wall_start: float) -> dict:
     if not multihost.is_chief():
       return {"steps": self.step}
-    rows = [r for r in read_metrics(self.workdir) if r.get("step", 0) >= 1]
-    evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
+    everything = read_metrics(self.workdir)
+    rows = update_rows(everything)
+    evals = [r["eval_accuracy"] for r in everything
+             if r.get("step", 0) >= 1 and r.get("eval_accuracy") is not None]
     summary = {
         "steps": self.step, "mode": self.cfg.mode, "preset": self.config.preset,
         "initial_eval_accuracy": self.record.get("initial_eval_accuracy"),

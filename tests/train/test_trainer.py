@@ -141,6 +141,32 @@ def test_a_dead_pool_stops_the_run_with_a_checkpoint_and_advice(tmp_path):
   assert [r["step"] for r in rows] == list(range(21))
 
 
+def test_a_run_stopped_during_an_evaluation_evaluates_that_step_when_it_resumes(tmp_path):
+  """The evaluation server (lag mode has its own) dies during the evaluation at update 2: the run
+  stops with that update's row and a checkpoint; the resumed run evaluates update 2 before training
+  on, so no point of the evaluation curve is lost."""
+  config = make_config(trainer=dict(mode="lag", lag=1, steps=4, eval_every=2, checkpoint_every=100))
+  tokenizer = tiny.make_tokenizer()
+  end = tokenizer.encode("</code>", add_special_tokens=False)
+
+  class DiesInItsSecondEvaluation(ScriptedPool):       # each evaluation first pushes its version
+    def generate(self, *args, **kwargs):
+      if len(self.pushes) >= 2:
+        from copc_jax.rollout.pool import PoolExhausted
+        raise PoolExhausted("every remote rollout server is unreachable")
+      return super().generate(*args, **kwargs)
+
+  factory = lambda evaluation=False: (DiesInItsSecondEvaluation if evaluation else ScriptedPool)(
+      len(tokenizer), tool_call_end=end)
+  with pytest.raises(trainer.TrainingError, match="training stopped at step 2"):
+    trainer.Trainer(config, str(tmp_path), backend_factory=factory).run()
+  rows = metrics.read_metrics(str(tmp_path))
+  assert [(r["step"], "eval_accuracy" in r) for r in rows] == [(0, True), (1, False), (2, False)]
+  _, _, rows = train(config, tmp_path)
+  evaluated = [r["step"] for r in rows if "eval_accuracy" in r]
+  assert evaluated == [0, 2, 4] and [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3, 4]
+
+
 def test_missing_checkpoint_is_named(tmp_path):
   config = make_config(model=dict(checkpoint=str(tmp_path / "nowhere")))
   with pytest.raises(FileNotFoundError, match="config.model.checkpoint: no Hugging Face checkpoint"):
