@@ -109,8 +109,7 @@ def main():
     study.write_benchmark(args.out, {
         "description": __doc__.splitlines()[0], "config": args.config, "parameters": params,
         "bytes_per_version": size, "rounds": args.rounds, "rows": rows,
-        "learner_step": {"step_s": step[0], "git_commit": step[1]} if step else None,
-        "jax_version": jax.__version__})
+        "learner_step": {"step_s": step[0], "git_commit": step[1]} if step else None})
 
 
 if __name__ == "__main__":

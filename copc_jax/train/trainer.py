@@ -413,17 +413,18 @@ class Trainer:
     batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length)
     metrics = jax.device_get(self.learner.train_step(batch, process_local=True))
     staleness = np.asarray(batch.staleness(self.step))[batch.mask]
-    longest = max((sum(e.trajectory.mask) for e in episodes), default=0)
+    lengths = [sum(e.trajectory.mask) for e in episodes]       # tokens the policy wrote, per episode
     totals = multihost.sum_over_processes([
         len(episodes), sum(e.trajectory.reward for e in episodes), sum(e.correct for e in episodes),
-        sum(sum(e.trajectory.mask) for e in episodes), sum(e.trajectory.num_turns for e in episodes),
+        sum(lengths), sum(e.trajectory.num_turns for e in episodes),
         staleness.sum(), staleness.size])
     n, reward, correct, length, turns, stale_sum, stale_count = totals
     self.step += 1
     return {
         "step": self.step, "weights_version": self.step,
         "reward_mean": reward / n, "accuracy": correct / n, "response_len_mean": length / n,
-        "response_len_max": int(multihost.max_over_processes(float(longest))), "turns_mean": turns / n,
+        "response_len_max": int(multihost.max_over_processes(float(max(lengths, default=0)))),
+        "turns_mean": turns / n,
         "staleness_mean": stale_sum / max(stale_count, 1),
         "staleness_max": int(multihost.max_over_processes(float(staleness.max()) if staleness.size else 0.0)),
         "mask_fraction": metrics["masked_fraction"], "clip_fraction": metrics["clip_fraction"],
