@@ -7,7 +7,8 @@ A model of bench_learner's config is pushed to local servers `--rounds` times pe
 time as a new version, exactly as the trainer does after an update (what its `weight_sync_s` times):
   path    the learner saves the version's safetensors in the workdir, every server reads the file;
   stream  the learner saves the file, then streams its bytes in 4 MiB gRPC chunks to every server;
-  memory  the learner serializes the weights in memory and streams those bytes; nothing on disk.
+  memory  the learner serializes the weights in memory and streams those bytes; nothing on disk;
+  shm     the learner writes the version to shared memory (/dev/shm), every server reads it there.
 Reported: the median seconds per push (saved, and swapped on every server), and each transfer's
 share of the learner's step for the same config when `experiments/results/learner.json` has it
 (measured by bench_learner in its own run; its commit is written next to the share).
@@ -34,9 +35,10 @@ from copc_jax.models import hf_io, tiny  # noqa: E402
 from copc_jax.models.decoder import Decoder  # noqa: E402
 from copc_jax.rollout.pool import RolloutPool  # noqa: E402
 from copc_jax.rollout.process import ServerProcess  # noqa: E402
+from copc_jax.train.trainer import POOL_TRANSFER  # noqa: E402
 from copc_jax.train.weights import WeightStore  # noqa: E402
 
-TRANSFERS = ("path", "stream", "memory")
+TRANSFERS = ("path", "stream", "memory", "shm")
 LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "learner.json")
 
 
@@ -44,8 +46,8 @@ def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, fi
   """Seconds of `rounds` pushes of new versions through the trainer's WeightStore (the first push of a
   pool is not timed: it resets the servers)."""
   times = []
-  with RolloutPool(addresses=addresses, weight_transfer="stream" if transfer == "stream" else "path") as pool:
-    store = WeightStore(os.path.join(directory, transfer), pool, in_memory=transfer == "memory")
+  with RolloutPool(addresses=addresses, weight_transfer=POOL_TRANSFER[transfer]) as pool:
+    store = WeightStore(os.path.join(directory, transfer), pool, transfer=transfer)
     for i in range(rounds + 1):
       start = time.perf_counter()
       store.push(first_version + i, actor)
@@ -83,8 +85,8 @@ def main():
     print(f"model {args.config}: {params / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB per version; median of "
           f"{args.rounds} pushes" + (f"; share of the learner step ({step[0]:.2f} s, learner.json at "
                                      f"{step[1][:10]})" if step else "") + "\n")
-    print("| servers | " + " | ".join(f"{t} (s)" for t in TRANSFERS) + " | memory / path |"
-          + (" memory share of the step |" if step else ""))
+    print("| servers | " + " | ".join(f"{t} (s)" for t in TRANSFERS) + " | shm / path |"
+          + (" shm share of the step |" if step else ""))
     print("|---:|" + "---:|" * (len(TRANSFERS) + 1 + bool(step)))
     for n in args.servers:
       servers = [ServerProcess(base, slots=2, max_prefill_length=16, max_length=32, seed=i, version=-1)
@@ -103,8 +105,8 @@ def main():
         row.update({f"{t}_share_of_step": medians[t] / step[0] for t in TRANSFERS})
       rows.append(row)
       print(f"| {n} | " + " | ".join(f"{medians[t]:.2f}" for t in TRANSFERS)
-            + f" | {medians['memory'] / medians['path']:.2f}× |"
-            + (f" {100 * row['memory_share_of_step']:.0f}% |" if step else ""), flush=True)
+            + f" | {medians['shm'] / medians['path']:.2f}× |"
+            + (f" {100 * row['shm_share_of_step']:.0f}% |" if step else ""), flush=True)
   if args.out:
     study.write_benchmark(args.out, {
         "description": __doc__.splitlines()[0], "config": args.config, "parameters": params,

@@ -93,5 +93,5 @@ def test_weight_push_benchmark_runs_every_transfer(tmp_path):
       env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
   row = json.loads((tmp_path / "push.json").read_text())["rows"][0]
-  assert row["servers"] == 1 and all(row[f"{t}_s"] > 0 for t in ("path", "stream", "memory"))
+  assert row["servers"] == 1 and all(row[f"{t}_s"] > 0 for t in ("path", "stream", "memory", "shm"))
   assert "| 1 |" in result.stdout and row["path_share_of_step"] > 0     # learner.json has the tiny step

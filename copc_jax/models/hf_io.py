@@ -78,25 +78,6 @@ def read_safetensors(directory: str) -> dict[str, jax.Array]:
   return tensors
 
 
-def load_weights(model: Decoder, tensors: dict[str, jax.Array]) -> None:
-  """Copy Hugging Face tensors into `model` in place, checking names and shapes."""
-  names = hf_parameter_names(model.config)
-  missing = sorted(set(names) - set(tensors))
-  if missing:
-    raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
-  state = nnx.state(model, nnx.Param)
-  flat = {_path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(
-      state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
-  for hf_name, (path, transpose) in names.items():
-    value = tensors[hf_name].T if transpose else tensors[hf_name]
-    variable = flat[path]
-    if tuple(value.shape) != tuple(variable.shape):
-      raise ValueError(f"{hf_name}: checkpoint shape {tuple(value.shape)} != model shape "
-                       f"{tuple(variable.shape)} ({path})")
-    variable[...] = jnp.asarray(value, variable.dtype)
-  nnx.update(model, state)
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -118,29 +99,29 @@ def load_tokenizer(path: str, needed_for: str):
   return _load_tokenizer(path)
 
 
-def _place_tensor(file: str, hf_name: str, transpose: bool, shape, dtype, placement) -> jax.Array:
-  """One parameter read straight into its sharding: each device's block is sliced from the file (the
-  transposed block for a transposed tensor), so no process holds more of it than its own shards."""
-  with safe_open(file, framework="numpy") as f:
-    tensor = f.get_slice(hf_name)
-    stored = tuple(tensor.get_shape())
-    expected = tuple(reversed(shape)) if transpose else tuple(shape)
-    if stored != expected:
-      raise ValueError(f"{hf_name}: checkpoint shape {stored} != model shape {tuple(shape)}")
+def _place_tensor(tensor, hf_name: str, transpose: bool, shape, dtype, placement) -> jax.Array:
+  """One parameter put straight into its sharding: each device's block is sliced from `tensor` (a
+  safetensors slice of an open file, or an array in memory; the transposed block for a transposed
+  tensor), so no process holds more of it than its own shards."""
+  stored = tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
+  expected = tuple(reversed(shape)) if transpose else tuple(shape)
+  if stored != expected:
+    raise ValueError(f"{hf_name}: checkpoint shape {stored} != model shape {tuple(shape)}")
 
-    def block(index):
-      index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-      part = tensor[tuple(reversed(index))].T if transpose else tensor[index]
-      return np.asarray(part, dtype)
-    return jax.make_array_from_callback(tuple(shape), placement, block)
+  def block(index):
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    part = tensor[tuple(reversed(index))].T if transpose else tensor[index]
+    return np.asarray(part, dtype)
+  return jax.make_array_from_callback(tuple(shape), placement, block)
 
 
-def load_sharded(model: Decoder, directory: str, placements) -> None:
-  """Fill the abstract `model` (`nnx.eval_shape`) from `directory`: every parameter is created
-  with its placement (`placements`: the tree of `nnx.state(model)` with a Sharding per leaf)."""
-  files = tensor_files(directory)
+def load_sharded(model: Decoder, source: str | dict[str, np.ndarray], placements) -> None:
+  """Fill the abstract `model` (`nnx.eval_shape`) from `source`, a checkpoint directory or Hugging Face
+  tensors in memory (name → array, e.g. `safetensors.numpy.load` of pushed bytes): every parameter is
+  created with its placement (`placements`: the tree of `nnx.state(model)` with a Sharding per leaf)."""
+  files = tensor_files(source) if isinstance(source, str) else None
   names = hf_parameter_names(model.config)
-  missing = sorted(set(names) - set(files))
+  missing = sorted(set(names) - set(files if files is not None else source))
   if missing:
     raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
   by_path = {ours: (hf_name, transpose) for hf_name, (ours, transpose) in names.items()}
@@ -151,11 +132,24 @@ def load_sharded(model: Decoder, directory: str, placements) -> None:
   def load(path, variable):
     ours = key(path)
     placement = by_key[ours]
-    if ours in by_path:
-      hf_name, transpose = by_path[ours]
-      return _place_tensor(files[hf_name], hf_name, transpose, variable.shape, variable.dtype, placement)
-    return jax.device_put(jnp.zeros(variable.shape, variable.dtype), placement)   # not a weight
+    if ours not in by_path:
+      return jax.device_put(jnp.zeros(variable.shape, variable.dtype), placement)   # not a weight
+    hf_name, transpose = by_path[ours]
+    if files is None:
+      return _place_tensor(source[hf_name], hf_name, transpose, variable.shape, variable.dtype, placement)
+    with safe_open(files[hf_name], framework="numpy") as f:
+      return _place_tensor(f.get_slice(hf_name), hf_name, transpose, variable.shape, variable.dtype, placement)
   nnx.update(model, jax.tree_util.tree_map_with_path(load, state))
+
+
+def read_like(model: Decoder, source: str | dict[str, np.ndarray]) -> Decoder:
+  """A new model with `model`'s structure, dtypes and placements and the weights of `source` (a
+  checkpoint directory, or Hugging Face tensors in memory); `model` is left as it is. Each tensor is
+  read once, straight into its placement: no zero-filled model, no transposes on the device."""
+  graphdef, state = nnx.split(model)
+  abstract = nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+  load_sharded(abstract, source, jax.tree.map(lambda x: x.sharding, state))
+  return abstract
 
 
 def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_tokenizer: bool = True,

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx, struct
 
 from copc_jax import sampling, sharding
+from copc_jax.models import hf_io
 from copc_jax.models.decoder import Decoder, KVCache
 from copc_jax.rollout import jetstream_compat
 
@@ -241,12 +242,10 @@ class CopcEngine(engine_api.Engine):
     self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  out_shardings=(state_shardings, replicated))
 
-  def model_like(self) -> Decoder:
-    """A model with the served structure (weights to be overwritten), for loading updates."""
-    return nnx.merge(self._graphdef, jax.tree.map(jnp.zeros_like, self.store.get()[0]))
-
-  def params_of(self, model: Decoder):
-    return nnx.split(model)[1]
+  def read_weights(self, source):
+    """Weights in the served structure and placement from `source` (a checkpoint directory, or Hugging
+    Face tensors in memory), ready for `store.update`."""
+    return nnx.split(hf_io.read_like(nnx.merge(self._graphdef, self.store.get()[0]), source))[1]
 
   # --- jitted bodies -------------------------------------------------------
 

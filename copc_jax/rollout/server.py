@@ -30,7 +30,8 @@ import logging
 import grpc
 import jax
 import numpy as np
-from safetensors.flax import load as load_safetensors_bytes
+from safetensors import SafetensorError
+from safetensors.numpy import load as load_safetensors_bytes
 
 from copc_jax.models import hf_io
 from copc_jax.rollout import jetstream_compat, requests
@@ -166,10 +167,10 @@ class RolloutService:
       path, version, reset = requests.update_weights_request(request)
       if version == self._engine.store.version and not reset:
         return {"version": version}          # served already (a catch-up push after a pause): a no-op
-      tensors = await asyncio.to_thread(hf_io.read_safetensors, path)
+      await asyncio.to_thread(hf_io.tensor_files, path)     # a directory with readable safetensors
     except Exception as err:  # noqa: BLE001 - the path and the files in it are the client's
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeights: {err}")
-    return await self._swap(tensors, version, context, "UpdateWeights", reset)
+    return await self._swap(path, version, context, "UpdateWeights", reset)
 
   async def update_weights_bytes(self, request_iterator, context):
     try:
@@ -182,17 +183,17 @@ class RolloutService:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UpdateWeightsBytes: {err}")
     return await self._swap(tensors, version, context, "UpdateWeightsBytes", reset)
 
-  async def _swap(self, tensors, version: int, context, method: str, reset: bool = False):
-    """Load `tensors` as `version`: tensors that do not fit the model are the client's error
-    (INVALID_ARGUMENT), anything else failing is the server's own (INTERNAL)."""
-    def build_and_swap():
-      model = self._engine.model_like()
-      hf_io.load_weights(model, tensors)
-      self._engine.store.update(self._engine.params_of(model), version, reset)
+  async def _swap(self, source, version: int, context, method: str, reset: bool = False):
+    """Serve the weights of `source` (a checkpoint directory, or tensors in memory) as `version`: weights
+    that do not fit the model or files that cannot be read are the client's error (INVALID_ARGUMENT),
+    anything else failing is the server's own (INTERNAL)."""
+    def read_and_swap():
+      weights = self._engine.read_weights(source)
+      self._engine.store.update(weights, version, reset)
     try:
       async with self._update_lock:
-        await asyncio.to_thread(build_and_swap)
-    except (KeyError, ValueError, TypeError) as err:
+        await asyncio.to_thread(read_and_swap)
+    except (KeyError, ValueError, TypeError, OSError, SafetensorError) as err:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {err}")
     except Exception as err:  # noqa: BLE001 - reported to the client as the server's failure
       await context.abort(grpc.StatusCode.INTERNAL, f"{method}: the server failed: {type(err).__name__}: {err}")

@@ -37,7 +37,9 @@ class RolloutConfig:
   weight_transfer: str = "path"         # "path": servers read each version from the workdir (shared
                                         # filesystem); "stream": its file's bytes go to them over gRPC;
                                         # "memory": bytes serialized in memory, nothing on disk (lag
-                                        # mode's saved versions are streamed from disk)
+                                        # mode's saved versions are streamed from disk); "shm": written
+                                        # to shared memory (/dev/shm), read there by servers on this
+                                        # machine (the fastest; lag mode's saved versions go by path)
   slots: int = 8                        # concurrent generations per server
   max_prefill_length: int = 64          # prompt bucket (every turn's context must fit)
   max_length: int = 128                 # context + generated tokens
@@ -61,8 +63,9 @@ class RolloutConfig:
     if self.server_tensor_parallelism == 0 or self.server_tensor_parallelism < -1:
       raise ValueError(f"server_tensor_parallelism must be -1 (all devices) or >= 1; got "
                        f"{self.server_tensor_parallelism}")
-    if self.weight_transfer not in ("path", "stream", "memory"):
-      raise ValueError(f"weight_transfer must be 'path', 'stream' or 'memory'; got {self.weight_transfer!r}")
+    if self.weight_transfer not in ("path", "stream", "memory", "shm"):
+      raise ValueError(f"weight_transfer must be 'path', 'stream', 'memory' or 'shm'; got "
+                       f"{self.weight_transfer!r}")
     if not self.addresses and self.num_servers < 1:
       raise ValueError(f"num_servers must be >= 1 (or give addresses); got {self.num_servers}")
     for name in ("slots", "max_in_flight", "max_turns", "max_tokens_per_turn"):

@@ -113,6 +113,11 @@ class TrainerConfig:
                     options=self.optimizer_options)       # an unknown optimizer or option: one line now
 
 
+# What the pool does with a pushed version, by config.rollout.weight_transfer ("memory" pushes bytes
+# itself; its lag-mode versions from the workdir are streamed; "shm" versions are read by path).
+POOL_TRANSFER = {"path": "path", "stream": "stream", "memory": "stream", "shm": "path"}
+
+
 class TrainingError(RuntimeError):
   """The run stopped; the message says what happened, what was saved and what to fix."""
 
@@ -260,7 +265,7 @@ class Trainer:
     try:
       common = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
                     lost_timeout_s=c.lost_timeout_s,
-                    weight_transfer="stream" if c.weight_transfer == "memory" else c.weight_transfer)
+                    weight_transfer=POOL_TRANSFER[c.weight_transfer])
       if addresses:
         return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **common)
       # Servers start on the base weights as version -1; every version the learner
@@ -282,10 +287,10 @@ class Trainer:
 
   def run(self) -> dict:
     """Train to `config.trainer.steps`; SIGTERM and Ctrl-C save a checkpoint before the run ends."""
-    wall_start, source, logger, backends = time.time(), None, NullLogger(), []
+    wall_start, source, logger, opened = time.time(), None, NullLogger(), []   # closed at the end
     with _sigterm_as_keyboard_interrupt():
       backend = self.backend_factory()
-      backends.append(backend)
+      opened.append(backend)
       try:
         self._check_servers(backend)
         if multihost.is_chief():
@@ -295,17 +300,18 @@ class Trainer:
                                         seed=(self.config.seed, jax.process_index()))
         weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
                               pushes=not self.config.rollout.addresses or multihost.is_chief(),
-                              in_memory=self.config.rollout.weight_transfer == "memory")
+                              transfer=self.config.rollout.weight_transfer)
+        opened.append(weights)
         saved = self._process_record()
         source = make_batch_source(self.cfg, runner, self._prompts(runner, saved.get("data", {})), weights,
                                    lambda: self.learner.actor, self.timer, batch_size=self.local_batch_size,
                                    buffered=saved.get("buffer", []))
-        evaluator = self._evaluator(runner, weights, source, backends)
+        evaluator = self._evaluator(runner, weights, source, opened)
         self._train(source, evaluator, logger)
       finally:
         if source is not None:
           source.request_stop()
-        for each in backends:
+        for each in opened:
           each.close()
         if source is not None:
           source.stop()
@@ -321,7 +327,7 @@ class Trainer:
     except server_check.ServerMismatch as err:
       raise TrainingError(str(err)) from err
 
-  def _evaluator(self, runner, weights, source, backends) -> Evaluator:
+  def _evaluator(self, runner, weights, source, opened) -> Evaluator:
     """Greedy evaluation of the learner's current weights: on the training servers where they can
     take them, else (lag mode) on a dedicated evaluation server started for it."""
     records = [r for r in self.task.eval if runner.fits(r)]
@@ -329,12 +335,13 @@ class Trainer:
       return Evaluator(runner, records, weights, self.config.rollout.concurrency)
     backend = self.backend_factory(evaluation=True) if multihost.is_chief() else None
     if backend is not None:
-      backends.append(backend)
+      opened.append(backend)
       self._check_servers(backend)
     eval_runner = rollouts.EpisodeRunner(backend.generate if backend else None, self.task, self.tokenizer,
                                          self.config.rollout, seed=runner.seed)
     eval_weights = WeightStore(weights.directory, backend, pushes=backend is not None,
-                               in_memory=weights.in_memory)
+                               transfer=weights.transfer)
+    opened.append(eval_weights)
     return Evaluator(eval_runner, records, eval_weights, self.config.rollout.concurrency)
 
   def _train(self, source, evaluator, logger) -> None:

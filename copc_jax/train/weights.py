@@ -9,12 +9,22 @@ Version v = the learner's weights after v updates; `DIR/weights/v{v}` is a
 `save_pretrained` directory, written atomically. With several learner processes
 every process calls `save` and `push` (the weights may be sharded across them),
 the chief writes, and only processes that own servers push.
+
+How a version pushed with the learner's weights at hand reaches the servers (`transfer`,
+`config.rollout.weight_transfer`): "path" and "stream" save it in DIR first (the pool then
+names the directory or streams its bytes); "memory" streams bytes serialized in memory;
+"shm" writes it to shared memory (`/dev/shm`, a tmpfs) and the servers read it from there,
+so nothing touches the disk and nothing crosses gRPC but the path. Versions pushed later
+(lag mode) are saved in DIR and go by path or stream.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import shutil
+import tempfile
 
 import jax
 from flax import nnx
@@ -29,13 +39,44 @@ class WeightsGone(RuntimeError):
   """A version the run needs to push was deleted from the workdir."""
 
 
+SHARED_MEMORY = "/dev/shm"
+TRANSFERS = ("path", "stream", "memory", "shm")
+
+
+def shared_memory_directory() -> str:
+  """A new directory in shared memory for this process's pushed versions, removed when the process
+  exits; directories left there by processes that died (a SIGKILLed trainer) are removed first."""
+  if not os.path.isdir(SHARED_MEMORY):
+    raise RuntimeError(f"weight_transfer 'shm' needs {SHARED_MEMORY} (Linux shared memory); this machine "
+                       f"has none: use 'path' or 'memory'")
+  for name in os.listdir(SHARED_MEMORY):
+    owner = re.fullmatch(r"copc_jax_weights_(\d+)_.*", name)
+    if owner and not _alive(int(owner.group(1))):
+      shutil.rmtree(os.path.join(SHARED_MEMORY, name), ignore_errors=True)
+  path = tempfile.mkdtemp(prefix=f"copc_jax_weights_{os.getpid()}_", dir=SHARED_MEMORY)
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  return path
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
 class WeightStore:
-  def __init__(self, directory: str, backend: RolloutBackend, *, pushes: bool = True, in_memory: bool = False):
-    """`in_memory`: a version pushed with the learner's weights at hand goes to the servers as bytes
-    serialized in memory (`update_weights_bytes`), never through the disk; versions pushed later
-    (lag mode) are still saved and pushed from `directory`."""
-    self.directory, self.backend, self.pushes, self.in_memory = directory, backend, pushes, in_memory
+  def __init__(self, directory: str, backend: RolloutBackend, *, pushes: bool = True, transfer: str = "path"):
+    """`transfer`: how a version pushed with the learner's weights at hand reaches the servers (see
+    the module docstring): "memory" and "shm" never write it to `directory`."""
+    if transfer not in TRANSFERS:
+      raise ValueError(f"transfer must be one of {TRANSFERS}; got {transfer!r}")
+    self.directory, self.backend, self.pushes, self.transfer = directory, backend, pushes, transfer
     self.served: int | None = None          # the version the servers hold (None: the base weights)
+    self._shared = shared_memory_directory() if transfer == "shm" and pushes else None
 
   def path(self, version: int) -> str:
     return os.path.join(self.directory, f"v{version}")
@@ -59,10 +100,13 @@ class WeightStore:
     """Serve `version`; `actor` (the learner's weights of that version) saves it if it is not on disk."""
     if self.served == version:
       return
-    if self.in_memory and actor is not None and not os.path.exists(self.path(version)):
+    fresh = actor is not None and not os.path.exists(self.path(version))
+    if fresh and self.transfer in ("memory", "shm"):
       actor = self._whole(actor)
-      if self.pushes:
+      if self.pushes and self.transfer == "memory":
         self.backend.update_weights_bytes(hf_io.safetensors_bytes(actor), version)
+      elif self.pushes:
+        self._push_through_shared_memory(version, actor)
       multihost.barrier(f"push v{version}")
       self.served = version
       return
@@ -75,6 +119,21 @@ class WeightStore:
       self.backend.update_weights(self.path(version), version)
     multihost.barrier(f"push v{version}")      # nobody generates with `version` before the servers have it
     self.served = version
+
+  def _push_through_shared_memory(self, version: int, actor: Decoder) -> None:
+    """Write `version` to this process's shared-memory directory and serve it from there; the version
+    served before is deleted (the pool re-pushes only the newest to a restarted server)."""
+    path = os.path.join(self._shared, f"v{version}")
+    checkpoint.write_atomically(path, lambda tmp: hf_io.save_pretrained(actor, tmp))
+    self.backend.update_weights(path, version)
+    for name in os.listdir(self._shared):
+      if name != f"v{version}":
+        shutil.rmtree(os.path.join(self._shared, name), ignore_errors=True)
+
+  def close(self) -> None:
+    """Free the shared memory this store holds."""
+    if self._shared is not None:
+      shutil.rmtree(self._shared, ignore_errors=True)
 
   def prune(self, keep_from: int) -> None:
     """Delete versions older than `keep_from`, except the one served."""

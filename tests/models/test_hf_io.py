@@ -101,10 +101,10 @@ def test_missing_directory_and_mismatched_tensors_are_reported(tmp_path):
   tensors = hf_io.read_safetensors(str(tmp_path))
   tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
   with pytest.raises(ValueError, match=r"model.norm.weight: checkpoint shape \(63,\)"):
-    hf_io.load_weights(model, tensors)
+    hf_io.read_like(model, tensors)
   del tensors["model.layers.0.mlp.up_proj.weight"]
   with pytest.raises(ValueError, match="lacks 1 tensor"):
-    hf_io.load_weights(model, tensors)
+    hf_io.read_like(model, tensors)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
@@ -200,3 +200,18 @@ def test_sharded_loading_never_holds_a_full_copy_of_a_100m_model(tmp_path):
   held = memory["after"] - memory["before"]               # the shards (replicas included) stay resident
   transient = memory["peak"] - memory["after"]
   assert held > 0.9 * size and transient < 0.25 * size, (memory, size)
+
+
+def test_read_like_gives_the_weights_of_a_directory_or_of_tensors_in_memory(tmp_path):
+  from copc_jax.models.decoder import Decoder
+
+  config = tiny.tiny_config("qwen2")
+  served, pushed = (Decoder(config, rngs=nnx.Rngs(seed)) for seed in (0, 1))
+  before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(served))]
+  hf_io.save_pretrained(pushed, str(tmp_path))
+  for source in (str(tmp_path), hf_io.hf_tensors(pushed)):
+    loaded = hf_io.read_like(served, source)
+    for got, want in zip(jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(pushed)), strict=True):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for got, want in zip(jax.tree.leaves(nnx.state(served)), before, strict=True):
+    np.testing.assert_array_equal(np.asarray(got), want)        # the served model is untouched

@@ -193,7 +193,7 @@ def test_weight_push_mid_generation_versions_and_logprobs(checkpoint):
   tokens, logprobs, versions = [], [], []
   for step in range(24):
     if step == 8:
-      store.update(engine.params_of(new), 1)
+      store.update(engine.read_weights(hf_io.hf_tensors(new)), 1)
     state, result = engine.generate(store, state)
     token, _, _, logprob_bits, version = np.asarray(result.data)[1]
     tokens.append(int(token))
@@ -272,7 +272,7 @@ class _AbortingContext:
 class _BrokenEngine:
   """An engine whose weight swap fails for the server's own reasons (not the request's)."""
 
-  def model_like(self):
+  def read_weights(self, source):
     raise MemoryError("device out of memory")
 
 
@@ -363,8 +363,8 @@ def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(che
   assert spec[3] == ("tensor" if kv_split else None)
   compiled = dict(sharded.trace_counts)
   new = Decoder(model.config, rngs=nnx.Rngs(42))
-  sharded.store.update(sharded.params_of(new), 1)                      # a weight push
-  single.store.update(single.params_of(new), 1)
+  sharded.store.update(sharded.read_weights(hf_io.hf_tensors(new)), 1)    # a weight push
+  single.store.update(single.read_weights(hf_io.hf_tensors(new)), 1)
   swapped = sharded.store.get()[0]["model"]["layers"][0]["mlp"]["gate_proj"]["kernel"][...]
   assert swapped.sharding == kernel.sharding
   tokens, logprobs, _ = engine_decode(sharded, prompts, steps=10)

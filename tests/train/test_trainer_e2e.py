@@ -146,13 +146,14 @@ def test_servers_that_do_not_fit_the_config_or_serve_another_model_are_refused(t
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (setup.sh installs it)")
 def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_path):
   """The server runs in a mount namespace where the learner's workdir is an empty tmpfs: pushing by
-  path fails with advice; weight_transfer='stream' trains, every version arriving over gRPC."""
+  path fails with advice; weight_transfer='stream' trains, every version arriving over gRPC; 'memory'
+  and 'shm' (shared memory, which the server still sees) never write a version to the workdir."""
   from copc_jax.models import tiny
   from copc_jax.rollout.client import RolloutClient
 
   tiny.make_tiny_checkpoint(str(tmp_path / "model"))
   hide = ["bwrap", "--dev-bind", "/", "/"]
-  for name in ("by_path", "streamed", "in_memory"):
+  for name in ("by_path", "streamed", "in_memory", "shared_memory"):
     (tmp_path / name).mkdir()
     hide += ["--tmpfs", str(tmp_path / name)]
   hide = (*hide, "--")
@@ -183,6 +184,16 @@ def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_
     assert not weights.exists() or not any(weights.iterdir())
     swaps = client.status()["weight_swaps"]
     assert swaps["UpdateWeightsBytes"] == status["weight_swaps"]["UpdateWeightsBytes"] + 4
+    # "shm": versions 0..3 by path from /dev/shm; the workdir and /dev/shm hold none afterwards.
+    rollout = dataclasses.replace(config.rollout, weight_transfer="shm")
+    trainer.Trainer(dataclasses.replace(config, rollout=rollout), str(tmp_path / "shared_memory")).run()
+    rows = metrics.read_metrics(str(tmp_path / "shared_memory"))
+    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
+    weights = tmp_path / "shared_memory" / "weights"
+    assert not weights.exists() or not any(weights.iterdir())
+    after = client.status()
+    assert after["version"] == 3 and after["weight_swaps"]["UpdateWeights"] == 4
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"copc_jax_weights_{os.getpid()}_")]
   finally:
     client.close()
     server.stop()
