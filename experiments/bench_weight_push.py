@@ -9,7 +9,8 @@ time as a new version, exactly as the trainer does after an update (what its `we
   stream  the learner saves the file, then streams its bytes in 4 MiB gRPC chunks to every server;
   memory  the learner serializes the weights in memory and streams those bytes; nothing on disk;
   shm     the learner writes the version to shared memory (/dev/shm), every server reads it there.
-Reported: the median seconds per push (saved, and swapped on every server), and each transfer's
+Reported: the median and the slowest seconds per push (saved, and swapped on every server; a path
+or stream push that writes while the kernel flushes earlier versions to disk waits), and each transfer's
 share of the learner's step for the same config when `experiments/results/learner.json` has it
 (measured by bench_learner in its own run; its commit is written next to the share).
 """
@@ -85,7 +86,7 @@ def main():
     print(f"model {args.config}: {params / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB per version; median of "
           f"{args.rounds} pushes" + (f"; share of the learner step ({step[0]:.2f} s, learner.json at "
                                      f"{step[1][:10]})" if step else "") + "\n")
-    print("| servers | " + " | ".join(f"{t} (s)" for t in TRANSFERS) + " | shm / path |"
+    print("| servers | " + " | ".join(f"{t} (s, slowest)" for t in TRANSFERS) + " | shm / path |"
           + (" shm share of the step |" if step else ""))
     print("|---:|" + "---:|" * (len(TRANSFERS) + 1 + bool(step)))
     for n in args.servers:
@@ -93,18 +94,19 @@ def main():
                  for i in range(n)]
       try:
         addresses = [s.wait_ready(600) for s in servers]
-        medians = {}
+        medians, slowest = {}, {}
         for j, transfer in enumerate(TRANSFERS):
           times = time_pushes(addresses, actor, tmp, transfer, args.rounds, j * (args.rounds + 1))
-          medians[transfer] = statistics.median(times)
+          medians[transfer], slowest[transfer] = statistics.median(times), max(times)
       finally:
         for s in servers:
           s.stop()
-      row = {"servers": n, **{f"{t}_s": medians[t] for t in TRANSFERS}}
+      row = {"servers": n, **{f"{t}_s": medians[t] for t in TRANSFERS},
+             **{f"{t}_slowest_s": slowest[t] for t in TRANSFERS}}
       if step:
         row.update({f"{t}_share_of_step": medians[t] / step[0] for t in TRANSFERS})
       rows.append(row)
-      print(f"| {n} | " + " | ".join(f"{medians[t]:.2f}" for t in TRANSFERS)
+      print(f"| {n} | " + " | ".join(f"{medians[t]:.2f} ({slowest[t]:.2f})" for t in TRANSFERS)
             + f" | {medians['shm'] / medians['path']:.2f}× |"
             + (f" {100 * row['shm_share_of_step']:.0f}% |" if step else ""), flush=True)
   if args.out:

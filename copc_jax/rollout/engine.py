@@ -113,7 +113,7 @@ class Prefix:
   temperature: jax.Array
   top_p: jax.Array
   top_k: jax.Array
-  key_data: jax.Array      # [2] uint32: the request's sampling key
+  seed: jax.Array          # [] uint32: the request's sampling key is key(seed)
   stop_sequences: tuple = struct.field(pytree_node=False, default=())
 
 
@@ -274,7 +274,7 @@ class CopcEngine(engine_api.Engine):
         temperature=state.temperature.at[slot].set(prefix.temperature),
         top_p=state.top_p.at[slot].set(prefix.top_p),
         top_k=state.top_k.at[slot].set(prefix.top_k),
-        key_data=state.key_data.at[slot].set(prefix.key_data))
+        key_data=state.key_data.at[slot].set(jax.random.key_data(jax.random.key(prefix.seed))))
 
   def _generate_impl(self, params, state: DecodeState, version):
     """`decode_steps` sample + decode steps; data [slots, 5 × decode_steps]: per step the columns
@@ -310,15 +310,14 @@ class CopcEngine(engine_api.Engine):
       raise NotImplementedError("prefix continuation is not supported")
     weights, version = params.get()
     keys, values, last_logits = self._timed("prefill", self._prefill_jit, weights,
-                                            jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
+                                            np.asarray(padded_tokens, np.int32), np.int32(true_length))
     options = getattr(self.pending_sampling, "options", None) or SamplingOptions()
     seed = options.seed if options.seed is not None else self._unseeded_requests()
     p = options.params
-    return Prefix(keys=keys, values=values, true_length=jnp.int32(true_length), last_logits=last_logits,
-                  version=jnp.int32(version), temperature=jnp.float32(p.temperature),
-                  top_p=jnp.float32(p.top_p), top_k=jnp.int32(p.top_k),
-                  key_data=jax.random.key_data(jax.random.key(np.uint32(seed))),
-                  stop_sequences=options.stop_sequences)
+    # The scalars stay on the host (numpy) until `insert` takes them in: no device op per field.
+    return Prefix(keys=keys, values=values, true_length=np.int32(true_length), last_logits=last_logits,
+                  version=np.int32(version), temperature=np.float32(p.temperature), top_p=np.float32(p.top_p),
+                  top_k=np.int32(p.top_k), seed=np.uint32(seed), stop_sequences=options.stop_sequences)
 
   def _timed(self, name: str, jitted, *args):
     """Call `jitted`; a call that traced (compiled) adds its wall time to `compile_s[name]`."""
@@ -336,7 +335,7 @@ class CopcEngine(engine_api.Engine):
 
   def insert(self, prefix, decode_state, slot):
     self.slot_stops.start(slot, prefix.stop_sequences)
-    return self._timed("insert", self._insert_jit, prefix, decode_state, jnp.int32(slot))
+    return self._timed("insert", self._insert_jit, prefix, decode_state, np.int32(slot))
 
   def generate(self, params, decode_state):
     weights, version = params.get_for_device()
