@@ -3,6 +3,7 @@
   python experiments/bench_rollout.py                 # small model, 4 slots, 64 new tokens
   python experiments/bench_rollout.py --servers 1 2 4
   python experiments/bench_rollout.py --hidden 128 --layers 4 --slots 8 --prompt 16 --new-tokens 32
+  python experiments/bench_rollout.py --render        # README table from experiments/results/rollout.json
 
 Measured in the same run: (0) the reference: the whole batch generated in one jitted
 call, prefill and a `lax.fori_loop` of sample + decode steps on the device (the
@@ -13,6 +14,7 @@ end early on EOS); ratios are against the on-device reference.
 """
 
 import argparse
+import os
 import resource
 import tempfile
 import time
@@ -111,6 +113,47 @@ def served_tokens_per_s(pool: RolloutPool, concurrent: int, prompt_len: int, new
   return best
 
 
+def thread_cpu_s(pid: int) -> dict:
+  """CPU seconds of a process's threads by kind (Linux /proc): XLA's compute threads, the rest."""
+  ticks = os.sysconf("SC_CLK_TCK")
+  totals = {"xla_compute": 0.0, "python_and_grpc": 0.0}
+  for task in os.listdir(f"/proc/{pid}/task"):
+    try:
+      with open(f"/proc/{pid}/task/{task}/comm") as f:
+        name = f.read().strip()
+      with open(f"/proc/{pid}/task/{task}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:       # the thread ended
+      continue
+    kind = "xla_compute" if name.startswith("tf_XLA") else "python_and_grpc"
+    totals[kind] += (int(fields[11]) + int(fields[12])) / ticks     # utime + stime
+  return totals
+
+
+def served_round_costs(pool: RolloutPool, concurrent: int, prompt_len: int, new_tokens: int, vocab: int,
+                       rounds: int, slots: int) -> dict:
+  """Per served round (`concurrent` requests): its wall time, the CPU it took (the servers' XLA
+  compute threads, their Python and gRPC threads, this client), and how many slot-steps the servers
+  decoded per returned token (1.0: every slot of every engine step produced a returned token)."""
+  rng = np.random.default_rng(3)
+  pids = [s.process.process.pid for s in pool.servers]
+  make = lambda: [dict(token_ids=rng.integers(3, vocab, size=prompt_len).tolist(), max_tokens=new_tokens)
+                  for _ in range(concurrent)]
+  pool.generate_many(make(), max_workers=concurrent)                 # warm
+  calls = lambda: sum(s["engine_calls"]["generate"] * s["decode_steps"] for s in pool.status())
+  cpu = lambda: [thread_cpu_s(pid) for pid in pids]
+  steps0, cpu0, client0, start, tokens = calls(), cpu(), time.process_time(), time.perf_counter(), 0
+  for _ in range(rounds):
+    tokens += sum(len(o.token_ids) for o in pool.generate_many(make(), max_workers=concurrent))
+  wall, client = time.perf_counter() - start, time.process_time() - client0
+  steps, cpu1 = calls() - steps0, cpu()
+  per_round = lambda kind: 1e3 * sum(b[kind] - a[kind] for a, b in zip(cpu0, cpu1)) / rounds
+  return {"round_ms": 1e3 * wall / rounds, "tokens_per_round": tokens / rounds,
+          "server_xla_compute_cpu_ms": per_round("xla_compute"),
+          "server_python_grpc_cpu_ms": per_round("python_and_grpc"), "client_cpu_ms": 1e3 * client / rounds,
+          "slot_steps_per_token": steps * slots / tokens}
+
+
 def one_request_s(pool: RolloutPool, prompt_len: int, new_tokens: int, vocab: int, rounds: int):
   """Best wall time of one request alone and the tokens it got (a random model may stop early)."""
   rng = np.random.default_rng(2)
@@ -122,6 +165,50 @@ def one_request_s(pool: RolloutPool, prompt_len: int, new_tokens: int, vocab: in
     if r and elapsed < best[0]:
       best = (elapsed, len(out.token_ids))
   return best
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.json")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def render(results_path: str = RESULTS, readme: str = README) -> str:
+  """The README's rollout table and cost breakdown, from the benchmark's JSON."""
+  import json
+
+  import study
+  with open(results_path) as f:
+    r = json.load(f)
+  lines = [f"Model {r['parameters'] / 1e6:.2f}M parameters, {r['slots']} slots per server, "
+           f"{r['prompt']}-token prompts, {r['new_tokens']} new tokens; best of {r['rounds']} rounds after a "
+           f"warm-up (commit {r['git_commit'][:10]}; `{r['command']}`).", "",
+           "| path | tokens/s | vs on-device reference | peak memory per server (GiB) |", "|---|---:|---:|---|"]
+  for row in r["rows"]:
+    if row["path"] == "gRPC":
+      name = (f"{row['servers']} server(s) through gRPC, {row['decode_steps']} decode step(s) per engine call, "
+              f"{row['concurrent']} concurrent requests")
+      peaks = ", ".join(f"{p:.2f}" for p in row["peak_server_gib"])
+    else:
+      name = {"on-device reference": "on-device reference: prefill + `lax.fori_loop` of sample + decode, "
+              "one jitted call", "Python loop of the jitted step": "Python loop of the same jitted step (no "
+              "JetStream, no gRPC)"}[row["path"]]
+      peaks = "–"
+    lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {row['vs_reference']:.2f}× | {peaks} |")
+  b, ratios = r["breakdown"], [x["vs_reference"] for x in r["rows"] if x["path"] == "gRPC"]
+  lines += ["", f"Served: {min(ratios):.2f}–{max(ratios):.2f}× the reference. On the first served pool: one "
+            f"request for one token costs {b['request_fixed_ms']:.1f} ms, each further token of a lone "
+            f"request {b['served_step_ms']:.2f} ms, against {b['reference_step_ms']:.2f} ms per 8-slot step "
+            f"of the reference (prefill included)."]
+  if "round" in b:
+    c = b["round"]
+    lines[-1] += (f" A served round ({c['tokens_per_round']:.0f} tokens, mean of 10) takes "
+                  f"{c['round_ms']:.1f} ms of wall time and this CPU: the server's XLA compute threads "
+                  f"{c['server_xla_compute_cpu_ms']:.1f} ms, its Python and gRPC threads "
+                  f"{c['server_python_grpc_cpu_ms']:.1f} ms, the client {c['client_cpu_ms']:.1f} ms; the "
+                  f"server decoded {c['slot_steps_per_token']:.2f} slot-steps per returned token (the "
+                  f"reference: 1.00).")
+  text = "\n".join(lines)
+  study.write_between_markers(readme, "rollout", text)
+  return text
 
 
 def main():
@@ -138,7 +225,11 @@ def main():
   parser.add_argument("--concurrent", type=int, nargs="*", default=[],
                       help="also: this many concurrent requests on the largest number of servers")
   parser.add_argument("--out", help="also write the numbers here (JSON, with provenance)")
+  parser.add_argument("--render", action="store_true", help="only rewrite the README table from " + RESULTS)
   args = parser.parse_args()
+  if args.render:
+    print(render())
+    return
   rows = []
   max_length = 128
   with tempfile.TemporaryDirectory() as tmp:
@@ -166,6 +257,9 @@ def main():
         peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
         if (steps, n, concurrent) == cases[0]:        # where a served batch's time goes, on this pool
           breakdown = cost_breakdown(pool, args, model.config.vocab_size, reference)
+          breakdown["round"] = served_round_costs(pool, concurrent, args.prompt, args.new_tokens,
+                                                  model.config.vocab_size, 10, args.slots)
+          print_round_costs(breakdown["round"], args.slots * args.new_tokens / reference)
       rows.append({"path": "gRPC", "servers": n, "decode_steps": steps, "concurrent": concurrent,
                    "tokens_per_s": rate, "peak_server_gib": peaks})
       print(f"{n} server(s) via gRPC, {steps} step(s)/call, {concurrent} concurrent: {rate:8.1f} tokens/s   "
@@ -194,6 +288,14 @@ def cost_breakdown(pool: RolloutPool, args, vocab: int, reference: float) -> dic
         f"{result['served_step_ms']:.2f} ms per decode step; the reference: "
         f"{result['reference_step_ms']:.2f} ms per step of {args.slots} slots (prefill included)")
   return result
+
+
+def print_round_costs(costs: dict, reference_round_s: float) -> None:
+  print(f"a served round: {costs['round_ms']:.1f} ms wall for {costs['tokens_per_round']:.0f} tokens "
+        f"(the reference: {1e3 * reference_round_s:.1f} ms for its batch); CPU per round: servers' XLA "
+        f"compute {costs['server_xla_compute_cpu_ms']:.1f} ms, their Python and gRPC threads "
+        f"{costs['server_python_grpc_cpu_ms']:.1f} ms, this client {costs['client_cpu_ms']:.1f} ms; "
+        f"{costs['slot_steps_per_token']:.2f} slot-steps decoded per returned token")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
   python experiments/bench_weight_push.py                   # the 100M config, 1, 2 and 4 servers
   python experiments/bench_weight_push.py --out experiments/results/weight_push.json
+  python experiments/bench_weight_push.py --render          # README table from that JSON
 
 A model of bench_learner's config is pushed to local servers `--rounds` times per transfer, each
 time as a new version, exactly as the trainer does after an update (what its `weight_sync_s` times):
@@ -68,13 +69,44 @@ def learner_step_s(config_name: str) -> tuple[float, str] | None:
   return (rows[0]["step_s"], learner["git_commit"]) if rows else None
 
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "weight_push.json")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def render(results_path: str = RESULTS, readme: str = README) -> str:
+  """The README's weight-push table, from the benchmark's JSON."""
+  with open(results_path) as f:
+    r = json.load(f)
+  step = r.get("learner_step")
+  lines = [f"The {r['config']} model ({r['parameters'] / 1e6:.1f}M parameters, "
+           f"{r['bytes_per_version'] / 2**20:.0f} MiB per version), median and slowest of {r['rounds']} "
+           f"pushes, each saved and swapped on every server (commit {r['git_commit'][:10]}; `{r['command']}`)"
+           + (f"; share: of the learner's step for this config ({step['step_s']:.2f} s, `learner.json` at "
+              f"{step['git_commit'][:10]})." if step else "."), "",
+           "| servers | " + " | ".join(f"{t} (s)" for t in TRANSFERS) + " | fastest | its share of the step |",
+           "|---:|" + "---:|" * (len(TRANSFERS) + 2)]
+  for row in r["rows"]:
+    fastest = min(TRANSFERS, key=lambda t: row[f"{t}_s"])
+    share = f"{100 * row[f'{fastest}_share_of_step']:.0f}%" if step else "–"
+    lines.append(f"| {row['servers']} | " + " | ".join(
+        f"{row[f'{t}_s']:.2f} (slowest {row[f'{t}_slowest_s']:.2f})" for t in TRANSFERS)
+        + f" | {fastest} | {share} |")
+  text = "\n".join(lines)
+  study.write_between_markers(readme, "weight_push", text)
+  return text
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="100m", choices=list(bench_learner.CONFIGS))
   parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--out", help="also write the numbers here (JSON)")
+  parser.add_argument("--render", action="store_true", help="only rewrite the README table from " + RESULTS)
   args = parser.parse_args()
+  if args.render:
+    print(render())
+    return
   actor = Decoder(tiny.tiny_config("qwen2", **bench_learner.CONFIGS[args.config][0]), rngs=nnx.Rngs(1))
   params = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
   step = learner_step_s(args.config)

@@ -65,6 +65,15 @@ def test_rollout_benchmark_runs_with_one_server(tmp_path):
   assert rows[3]["concurrent"] == 6 and rows[3]["servers"] == 1 and rows[3]["tokens_per_s"] > 0
   breakdown = json.loads((tmp_path / "rollout.json").read_text())["breakdown"]
   assert breakdown["request_fixed_ms"] > 0 and breakdown["reference_step_ms"] > 0
+  costs = breakdown["round"]             # 4 steps per call over 4 slots: at least one slot-step per token
+  assert costs["round_ms"] > 0 and costs["server_xla_compute_cpu_ms"] > 0 and costs["slot_steps_per_token"] >= 1
+  readme = tmp_path / "README.md"
+  readme.write_text("before\n<!-- rollout:begin -->\nold\n<!-- rollout:end -->\nafter\n")
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  import bench_rollout
+  bench_rollout.render(str(tmp_path / "rollout.json"), str(readme))
+  text = readme.read_text()
+  assert "old" not in text and text.count("| 1 server(s) through gRPC") == 2 and "slot-steps per" in text
 
 
 def test_loop_cost_script_runs_and_its_recurrence_is_right():
@@ -95,3 +104,9 @@ def test_weight_push_benchmark_runs_every_transfer(tmp_path):
   row = json.loads((tmp_path / "push.json").read_text())["rows"][0]
   assert row["servers"] == 1 and all(row[f"{t}_s"] > 0 for t in ("path", "stream", "memory", "shm"))
   assert "| 1 |" in result.stdout and row["path_share_of_step"] > 0     # learner.json has the tiny step
+  readme = tmp_path / "README.md"
+  readme.write_text("<!-- weight_push:begin -->\n<!-- weight_push:end -->\n")
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  import bench_weight_push
+  bench_weight_push.render(str(tmp_path / "push.json"), str(readme))
+  assert "| 1 | " in readme.read_text() and "its share of the step" in readme.read_text()

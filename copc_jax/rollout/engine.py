@@ -232,6 +232,7 @@ class CopcEngine(engine_api.Engine):
     self.pending_sampling = threading.local()   # set by the driver's prefill thread per request
     self.slot_stops = SlotStops(max_concurrent_decodes)
     self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
+    self.calls = {"prefill": 0, "generate": 0, "insert": 0}        # every call, traced or not
     self.compile_s = {"prefill": 0.0, "generate": 0.0, "insert": 0.0}   # calls that traced: compile + run
     # The decode state keeps one placement across calls (else a state coming out of `generate` would
     # differ from a fresh one and `insert` would compile again).
@@ -321,6 +322,7 @@ class CopcEngine(engine_api.Engine):
 
   def _timed(self, name: str, jitted, *args):
     """Call `jitted`; a call that traced (compiled) adds its wall time to `compile_s[name]`."""
+    self.calls[name] += 1
     traces, start = self.trace_counts[name], time.perf_counter()
     out = jitted(*args)
     if self.trace_counts[name] != traces:

@@ -13,7 +13,8 @@ Services on one gRPC server bound to 127.0.0.1 by default:
                        (with a seed, the tokens depend only on the request and the weights)
     UpdateWeights:     {path, version, reset?} → {version}   (a save_pretrained directory)
     UpdateWeightsBytes(client stream of safetensors bytes; metadata copc-version, copc-reset?) → {version}
-    Status:            {} → {version, max_prefill_length, max_length, model (its config), slots_in_use, ...}
+    Status:            {} → {version, max_prefill_length, max_length, model (its config), slots_in_use,
+                         compilations, engine_calls, compile_s, memory, ...}
 
 Every request is checked before it reaches JetStream's threads, whose exceptions
 would kill the process: bad requests get INVALID_ARGUMENT with what was wrong;
@@ -207,7 +208,8 @@ class RolloutService:
             "slots_in_use": engine.max_concurrent_decodes - free,
             "queue_length": driver._prefill_backlog.qsize(), "live": bool(driver.live),
             "max_prefill_length": engine.max_prefill_length, "max_length": engine.max_length,
-            "compilations": dict(engine.trace_counts), "weight_swaps": dict(self._swaps),
+            "compilations": dict(engine.trace_counts), "engine_calls": dict(engine.calls),
+            "decode_steps": engine.decode_steps, "weight_swaps": dict(self._swaps),
             "mesh": {name: int(size) for name, size in engine.mesh.shape.items()},
             "compile_s": {name: round(s, 3) for name, s in engine.compile_s.items()}, "memory": memory(),
             "model": json.loads(json.dumps(dataclasses.asdict(engine.config)))}

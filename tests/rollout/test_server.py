@@ -225,6 +225,8 @@ def test_weight_pushes_between_requests_swap_without_recompiling(checkpoint, tmp
     client.generate(prompt, max_tokens=2)                  # compile prefill/insert/generate once
     compilations_before = client.status()["compilations"]
     assert compilations_before == {"prefill": 1, "insert": 1, "generate": 1}
+    calls = client.status()["engine_calls"]
+    assert calls["prefill"] == calls["insert"] == 1 and calls["generate"] >= 1
     assert client.update_weights(str(tmp_path / "v1"), version=1) == 1
     fresh = client.generate(prompt, max_tokens=15, seed=11)
     assert set(fresh.versions) == {1}
