@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,7 +39,7 @@ from copc_jax.models.decoder import Decoder  # noqa: E402
 from copc_jax.rollout.pool import RolloutPool  # noqa: E402
 from copc_jax.rollout.process import ServerProcess  # noqa: E402
 from copc_jax.train.trainer import POOL_TRANSFER  # noqa: E402
-from copc_jax.train.weights import WeightStore  # noqa: E402
+from copc_jax.train.weights import WeightStore, shared_memory_directory  # noqa: E402
 
 TRANSFERS = ("path", "stream", "memory", "shm")
 LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "learner.json")
@@ -57,6 +58,30 @@ def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, fi
         times.append(time.perf_counter() - start)
       store.prune(first_version + i)
   return times
+
+
+def shm_stages_s(actor, rounds: int) -> dict:
+  """The median seconds of each stage of an shm push, timed alone in this process: the learner collects
+  its weights in Hugging Face layout (`hf_tensors`), writes them to shared memory, and a server reads
+  them back into its placements (`read_like`, with this process's single-device placement)."""
+  from safetensors.numpy import save_file
+  stages = {"collect": [], "write": [], "read_and_place": []}
+  directory = shared_memory_directory()
+  try:
+    for _ in range(rounds):
+      start = time.perf_counter()
+      tensors = hf_io.hf_tensors(actor)
+      stages["collect"].append(time.perf_counter() - start)
+      start = time.perf_counter()
+      save_file(tensors, os.path.join(directory, hf_io.SAFETENSORS_SINGLE), metadata={"format": "pt"})
+      stages["write"].append(time.perf_counter() - start)
+      del tensors
+      start = time.perf_counter()
+      jax.block_until_ready(nnx.state(hf_io.read_like(actor, directory)))
+      stages["read_and_place"].append(time.perf_counter() - start)
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
+  return {name: statistics.median(times) for name, times in stages.items()}
 
 
 def learner_step_s(config_name: str) -> tuple[float, str] | None:
@@ -91,6 +116,12 @@ def render(results_path: str = RESULTS, readme: str = README) -> str:
     lines.append(f"| {row['servers']} | " + " | ".join(
         f"{row[f'{t}_s']:.2f} (slowest {row[f'{t}_slowest_s']:.2f})" for t in TRANSFERS)
         + f" | {fastest} | {share} |")
+  if "shm_stages_s" in r:
+    st = r["shm_stages_s"]
+    lines += ["", f"An shm push's stages, each timed alone (median): the learner collects its weights in "
+              f"Hugging Face layout in {st['collect']:.2f} s, writes them to `/dev/shm` in "
+              f"{st['write']:.2f} s, and a server reads them into its placements in "
+              f"{st['read_and_place']:.2f} s."]
   text = "\n".join(lines)
   study.write_between_markers(readme, "weight_push", text)
   return text
@@ -111,6 +142,8 @@ def main():
   params = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
   step = learner_step_s(args.config)
   rows = []
+  stages = shm_stages_s(actor, args.rounds)
+  print("an shm push's stages alone: " + ", ".join(f"{name} {t:.3f} s" for name, t in stages.items()))
   with tempfile.TemporaryDirectory() as tmp:
     base = os.path.join(tmp, "base")
     hf_io.save_pretrained(actor, base)
@@ -144,7 +177,7 @@ def main():
   if args.out:
     study.write_benchmark(args.out, {
         "description": __doc__.splitlines()[0], "config": args.config, "parameters": params,
-        "bytes_per_version": size, "rounds": args.rounds, "rows": rows,
+        "bytes_per_version": size, "rounds": args.rounds, "rows": rows, "shm_stages_s": stages,
         "learner_step": {"step_s": step[0], "git_commit": step[1]} if step else None})
 
 
