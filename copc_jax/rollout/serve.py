@@ -25,6 +25,8 @@ flags.DEFINE_string("tokenizer", None, "Directory with tokenizer files (default:
 flags.DEFINE_integer("tensor_parallelism", -1, "Devices of this host to serve on, the model split over them "
                      "(tensor parallel); -1: all of them.")
 flags.DEFINE_integer("decode_steps", 1, "Tokens decoded per slot in one engine call (on the device).")
+flags.DEFINE_integer("calls_ahead", 2, "Generate calls that may wait for the detokenizer (JetStream's "
+                     "default: 8); each decodes finished slots for nothing until the detokenizer frees them.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("version", 0, "Version of the initial weights.")
 flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
@@ -58,7 +60,7 @@ def main(argv):
   if not FLAGS.log_steps:
     # JetStream 0.2.2 logs several INFO lines on the root logger for every decode step.
     logging.set_verbosity(logging.WARNING)
-  asyncio.run(serve(engine, FLAGS.port, FLAGS.host, FLAGS.ready_file))
+  asyncio.run(serve(engine, FLAGS.port, FLAGS.host, FLAGS.ready_file, calls_ahead=FLAGS.calls_ahead))
 
 
 if __name__ == "__main__":

@@ -60,8 +60,19 @@ GENERATE_RACE = "At this point we must have some requests inserted into the slot
 
 
 class CopcDriver(orchestrator.Driver):
-  """JetStream's Driver; hands each request's sampling options to the engine's prefill, and survives
-  the generate loop's race (`_generate_thread`)."""
+  """JetStream's Driver; hands each request's sampling options to the engine's prefill, survives
+  the generate loop's race (`_generate_thread`), and bounds how far that loop runs ahead."""
+
+  def __init__(self, *args, calls_ahead: int = 2, **kwargs):
+    """`calls_ahead`: generate calls the loop may have waiting for the detokenize thread (JetStream
+    0.2.2: 8). A slot is freed only when the detokenizer sees its request finish, so every call
+    ahead decodes a finished slot for nothing; 2 keeps the device fed while the host catches up."""
+    if calls_ahead < 1:
+      raise ValueError(f"calls_ahead must be >= 1; got {calls_ahead}")
+    super().__init__(*args, **kwargs)
+    for backlog in self._detokenize_backlogs:     # before any request: nothing is queued yet
+      with backlog.mutex:
+        backlog.maxsize = calls_ahead
 
   def _generate_thread(self, idx: int):
     """JetStream's generate loop, started over where 0.2.2 trips on its own race.
@@ -240,11 +251,12 @@ def memory() -> dict:
           "device_bytes_in_use": {k: v for k, v in devices.items() if v is not None}}
 
 
-async def serve(engine: CopcEngine, port: int, host: str = "127.0.0.1", ready_file: str | None = None):
+async def serve(engine: CopcEngine, port: int, host: str = "127.0.0.1", ready_file: str | None = None,
+                calls_ahead: int = 2):
   """Run the server until cancelled; returns the bound port through `ready_file` if given."""
   store = engine.load_params()
   driver = CopcDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[store],
-                      generate_params=[store], interleaved_mode=True)
+                      generate_params=[store], interleaved_mode=True, calls_ahead=calls_ahead)
   server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
   jetstream_pb2_grpc.add_OrchestratorServicer_to_server(ValidatingOrchestrator(driver, engine), server)

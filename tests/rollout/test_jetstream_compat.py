@@ -141,3 +141,58 @@ def test_the_generate_loop_survives_jetstream_s_slot_race():
   driver, engine = _driver_in_the_race(server.CopcDriver)
   assert driver._generate_thread(0) is None        # started over, then stopped when asked
   assert engine.decode_states == 2                  # a fresh decode state after the race
+
+
+def test_the_generate_loop_runs_at_most_calls_ahead_calls_past_the_detokenizer():
+  """JetStream's loop blocks once `calls_ahead` results wait for the detokenizer: a slot whose
+  request finished is decoded at most that many more times (+1 in flight) before it is freed."""
+  import queue
+  import threading
+  import types
+
+  from flax import nnx
+
+  from copc_jax.models import tiny
+  from copc_jax.models.decoder import Decoder
+  from copc_jax.rollout import server
+  from copc_jax.rollout.engine import CopcEngine
+
+  engine = CopcEngine(Decoder(tiny.tiny_config("qwen2"), rngs=nnx.Rngs(0)), max_concurrent_decodes=2,
+                      max_prefill_length=16, max_length=32)
+  store = engine.load_params()
+  with pytest.raises(ValueError, match="calls_ahead must be >= 1; got 0"):
+    server.CopcDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[store],
+                      generate_params=[store], calls_ahead=0)
+  driver = server.CopcDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[store],
+                             generate_params=[store], interleaved_mode=True)
+  driver.stop()
+  assert [b.maxsize for b in driver._detokenize_backlogs] == [2]
+
+  class Counting(_Engine):          # one slot busy forever; the detokenizer never comes
+    calls = 0
+
+    def generate(self, params, decode_state):
+      self.calls += 1
+      return decode_state, types.SimpleNamespace(copy_to_host_async=lambda: None)
+
+  class Backlog(queue.Queue):        # notes when the loop has to wait for the detokenizer
+    blocked = threading.Event()
+
+    def put(self, item, block=True, timeout=None):
+      if self.full():
+        self.blocked.set()
+      super().put(item, block, timeout)
+
+  stalled, _ = _driver_in_the_race(server.CopcDriver)
+  stalled._generate_engines = [Counting()]
+  stalled._generate_slots[0].get()                    # no free slot: the loop only generates
+  backlog = Backlog(driver._detokenize_backlogs[0].maxsize)
+  stalled._detokenize_backlogs = [backlog]
+  loop = threading.Thread(target=stalled._generate_thread, args=(0,), daemon=True)
+  loop.start()
+  assert backlog.blocked.wait(timeout=120)
+  assert stalled._generate_engines[0].calls == 3     # 2 waiting + the one blocked on the full backlog
+  stalled.live = False
+  backlog.get()
+  loop.join(timeout=30)
+  assert not loop.is_alive()
