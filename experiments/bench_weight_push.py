@@ -9,7 +9,8 @@ time as a new version, exactly as the trainer does after an update (what its `we
   path    the learner saves the version's safetensors in the workdir, every server reads the file;
   stream  the learner saves the file, then streams its bytes in 4 MiB gRPC chunks to every server;
   memory  the learner serializes the weights in memory and streams those bytes; nothing on disk;
-  shm     the learner writes the version to shared memory (/dev/shm), every server reads it there.
+  shm     the learner writes the version to shared memory (/dev/shm) in the servers' own layout (no
+          transposes), every server reads it there.
 Reported: the median and the slowest seconds per push (saved, and swapped on every server; a path
 or stream push that writes while the kernel flushes earlier versions to disk waits), and each transfer's
 share of the learner's step for the same config when `experiments/results/learner.json` has it
@@ -61,21 +62,16 @@ def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, fi
 
 
 def shm_stages_s(actor, rounds: int) -> dict:
-  """The median seconds of each stage of an shm push, timed alone in this process: the learner collects
-  its weights in Hugging Face layout (`hf_tensors`), writes them to shared memory, and a server reads
-  them back into its placements (`read_like`, with this process's single-device placement)."""
-  from safetensors.numpy import save_file
-  stages = {"collect": [], "write": [], "read_and_place": []}
+  """The median seconds of each stage of an shm push, timed alone in this process: the learner writes
+  its weights to shared memory in the servers' layout (`save_params`), and a server reads them into
+  its placements (`read_like`, with this process's single-device placement)."""
+  stages = {"write": [], "read_and_place": []}
   directory = shared_memory_directory()
   try:
     for _ in range(rounds):
       start = time.perf_counter()
-      tensors = hf_io.hf_tensors(actor)
-      stages["collect"].append(time.perf_counter() - start)
-      start = time.perf_counter()
-      save_file(tensors, os.path.join(directory, hf_io.SAFETENSORS_SINGLE), metadata={"format": "pt"})
+      hf_io.save_params(actor, directory)
       stages["write"].append(time.perf_counter() - start)
-      del tensors
       start = time.perf_counter()
       jax.block_until_ready(nnx.state(hf_io.read_like(actor, directory)))
       stages["read_and_place"].append(time.perf_counter() - start)
@@ -118,10 +114,9 @@ def render(results_path: str = RESULTS, readme: str = README) -> str:
         + f" | {fastest} | {share} |")
   if "shm_stages_s" in r:
     st = r["shm_stages_s"]
-    lines += ["", f"An shm push's stages, each timed alone (median): the learner collects its weights in "
-              f"Hugging Face layout in {st['collect']:.2f} s, writes them to `/dev/shm` in "
-              f"{st['write']:.2f} s, and a server reads them into its placements in "
-              f"{st['read_and_place']:.2f} s."]
+    lines += ["", f"An shm push's stages, each timed alone (median): the learner writes its weights to "
+              f"`/dev/shm` in the servers' layout in {st['write']:.2f} s, and a server reads them into its "
+              f"placements in {st['read_and_place']:.2f} s."]
   text = "\n".join(lines)
   study.write_between_markers(readme, "weight_push", text)
   return text

@@ -25,6 +25,9 @@ from copc_jax.models.decoder import Decoder
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+# A weight push between copc_jax processes: the parameters under their own paths and layouts (no
+# transposes on either side), not a Hugging Face checkpoint (`save_params`).
+PARAMS_FILE = "params.safetensors"
 
 
 def hf_parameter_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
@@ -55,7 +58,12 @@ def _path_string(path) -> str:
 
 
 def tensor_files(directory: str) -> dict[str, str]:
-  """Tensor name → the safetensors file that holds it (single file, or sharded with an index)."""
+  """Tensor name → the safetensors file that holds it (single file, or sharded with an index; or a
+  `save_params` push, whose names are parameter paths)."""
+  params = os.path.join(directory, PARAMS_FILE)
+  if os.path.exists(params):
+    with safe_open(params, framework="numpy") as f:
+      return {name: params for name in f.keys()}
   index_path = os.path.join(directory, SAFETENSORS_INDEX)
   if os.path.exists(index_path):
     with open(index_path) as f:
@@ -121,6 +129,8 @@ def load_sharded(model: Decoder, source: str | dict[str, np.ndarray], placements
   created with its placement (`placements`: the tree of `nnx.state(model)` with a Sharding per leaf)."""
   files = tensor_files(source) if isinstance(source, str) else None
   names = hf_parameter_names(model.config)
+  if files is not None and os.path.exists(os.path.join(source, PARAMS_FILE)):
+    names = {ours: (ours, False) for ours, _ in names.values()}        # a `save_params` push
   missing = sorted(set(names) - set(files if files is not None else source))
   if missing:
     raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -211,6 +221,16 @@ def hf_tensors(model: Decoder, dtype=np.float32) -> dict[str, np.ndarray]:
     value = np.asarray(jax.device_get(flat[ours][...]), dtype)
     tensors[hf_name] = np.ascontiguousarray(value.T if transpose else value)
   return tensors
+
+
+def save_params(model: Decoder, path: str) -> None:
+  """Write the model's weights as `PARAMS_FILE` under their parameter paths, in the model's own
+  layout and dtypes: what `read_like` loads fastest (a weight push to servers of the same model)."""
+  os.makedirs(path, exist_ok=True)
+  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
+                                               is_leaf=lambda x: isinstance(x, nnx.Variable))
+  tensors = {_path_string(path): np.asarray(jax.device_get(variable[...])) for path, variable in leaves}
+  save_file(tensors, os.path.join(path, PARAMS_FILE), metadata={"format": "copc_jax.params"})
 
 
 def safetensors_bytes(model: Decoder, dtype=np.float32) -> bytes:

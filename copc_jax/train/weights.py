@@ -13,8 +13,9 @@ the chief writes, and only processes that own servers push.
 How a version pushed with the learner's weights at hand reaches the servers (`transfer`,
 `config.rollout.weight_transfer`): "path" and "stream" save it in DIR first (the pool then
 names the directory or streams its bytes); "memory" streams bytes serialized in memory;
-"shm" writes it to shared memory (`/dev/shm`, a tmpfs) and the servers read it from there,
-so nothing touches the disk and nothing crosses gRPC but the path. Versions pushed later
+"shm" writes it to shared memory (`/dev/shm`, a tmpfs) in the servers' own layout
+(`hf_io.save_params`: no transposes on either side) and the servers read it from there, so
+nothing touches the disk and nothing crosses gRPC but the path. Versions pushed later
 (lag mode) are saved in DIR and go by path or stream.
 """
 
@@ -124,7 +125,7 @@ class WeightStore:
     """Write `version` to this process's shared-memory directory and serve it from there; the version
     served before is deleted (the pool re-pushes only the newest to a restarted server)."""
     path = os.path.join(self._shared, f"v{version}")
-    checkpoint.write_atomically(path, lambda tmp: hf_io.save_pretrained(actor, tmp))
+    checkpoint.write_atomically(path, lambda tmp: hf_io.save_params(actor, tmp))     # the servers' layout
     self.backend.update_weights(path, version)
     for name in os.listdir(self._shared):
       if name != f"v{version}":

@@ -202,14 +202,15 @@ def test_sharded_loading_never_holds_a_full_copy_of_a_100m_model(tmp_path):
   assert held > 0.9 * size and transient < 0.25 * size, (memory, size)
 
 
-def test_read_like_gives_the_weights_of_a_directory_or_of_tensors_in_memory(tmp_path):
+def test_read_like_gives_the_weights_of_a_checkpoint_tensors_in_memory_or_a_params_push(tmp_path):
   from copc_jax.models.decoder import Decoder
 
   config = tiny.tiny_config("qwen2")
   served, pushed = (Decoder(config, rngs=nnx.Rngs(seed)) for seed in (0, 1))
   before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(served))]
-  hf_io.save_pretrained(pushed, str(tmp_path))
-  for source in (str(tmp_path), hf_io.hf_tensors(pushed)):
+  hf_io.save_pretrained(pushed, str(tmp_path / "hf"))
+  hf_io.save_params(pushed, str(tmp_path / "params"))          # the served layout: nothing transposed
+  for source in (str(tmp_path / "hf"), hf_io.hf_tensors(pushed), str(tmp_path / "params")):
     loaded = hf_io.read_like(served, source)
     for got, want in zip(jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(pushed)), strict=True):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

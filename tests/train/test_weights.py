@@ -30,7 +30,7 @@ def test_shm_pushes_go_through_shared_memory_and_keep_only_the_newest(tmp_path):
   store.push(2, actor)
   (first, _, names), (second, version, _) = backend.pushed
   assert os.path.dirname(second).startswith(os.path.join(weights_lib.SHARED_MEMORY, "copc_jax_weights_"))
-  assert version == 2 and names == sorted(hf_io.hf_parameter_names(actor.config))
+  assert version == 2 and names == sorted(ours for ours, _ in hf_io.hf_parameter_names(actor.config).values())
   assert not os.path.exists(first) and os.path.exists(second)      # the served version alone
   assert not (tmp_path / "weights").exists()                        # nothing on the workdir's disk
   store.close()
