@@ -39,10 +39,9 @@ from copc_jax.models import hf_io, tiny  # noqa: E402
 from copc_jax.models.decoder import Decoder  # noqa: E402
 from copc_jax.rollout.pool import RolloutPool  # noqa: E402
 from copc_jax.rollout.process import ServerProcess  # noqa: E402
-from copc_jax.train.trainer import POOL_TRANSFER  # noqa: E402
+from copc_jax.train.rollouts import POOL_TRANSFER, TRANSFERS  # noqa: E402
 from copc_jax.train.weights import WeightStore, shared_memory_directory  # noqa: E402
 
-TRANSFERS = ("path", "stream", "memory", "shm")
 LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "learner.json")
 
 

@@ -211,11 +211,16 @@ def _load_tokenizer(path: str):
   return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def _params_by_path(model: Decoder) -> dict:
+  """Parameter path ("model/layers/0/mlp/up_proj/kernel") → its Variable."""
+  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
+                                               is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return {_path_string(path): variable for path, variable in leaves}
+
+
 def hf_tensors(model: Decoder, dtype=np.float32) -> dict[str, np.ndarray]:
   """The model's weights under their Hugging Face names and layouts, on the host."""
-  state = nnx.state(model, nnx.Param)
-  flat = {_path_string(p): v for p, v in jax.tree_util.tree_leaves_with_path(
-      state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+  flat = _params_by_path(model)
   tensors = {}
   for hf_name, (ours, transpose) in hf_parameter_names(model.config).items():
     value = np.asarray(jax.device_get(flat[ours][...]), dtype)
@@ -227,9 +232,7 @@ def save_params(model: Decoder, path: str) -> None:
   """Write the model's weights as `PARAMS_FILE` under their parameter paths, in the model's own
   layout and dtypes: what `read_like` loads fastest (a weight push to servers of the same model)."""
   os.makedirs(path, exist_ok=True)
-  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
-                                               is_leaf=lambda x: isinstance(x, nnx.Variable))
-  tensors = {_path_string(path): np.asarray(jax.device_get(variable[...])) for path, variable in leaves}
+  tensors = {name: np.asarray(jax.device_get(v[...])) for name, v in _params_by_path(model).items()}
   save_file(tensors, os.path.join(path, PARAMS_FILE), metadata={"format": "copc_jax.params"})
 
 

@@ -24,6 +24,10 @@ from copc_jax.sampling import SamplingParams
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
 SERVER_PLATFORMS = ("cpu", "tpu", "cuda", "rocm", "")
+# config.rollout.weight_transfer → what the pool does with a pushed version ("memory" pushes bytes
+# itself and streams lag mode's saved versions; "shm" versions are read by path).
+POOL_TRANSFER = {"path": "path", "stream": "stream", "memory": "stream", "shm": "path"}
+TRANSFERS = tuple(POOL_TRANSFER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,7 @@ class RolloutConfig:
     if self.server_tensor_parallelism == 0 or self.server_tensor_parallelism < -1:
       raise ValueError(f"server_tensor_parallelism must be -1 (all devices) or >= 1; got "
                        f"{self.server_tensor_parallelism}")
-    if self.weight_transfer not in ("path", "stream", "memory", "shm"):
+    if self.weight_transfer not in TRANSFERS:
       raise ValueError(f"weight_transfer must be 'path', 'stream', 'memory' or 'shm'; got "
                        f"{self.weight_transfer!r}")
     if not self.addresses and self.num_servers < 1:

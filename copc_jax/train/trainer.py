@@ -113,11 +113,6 @@ class TrainerConfig:
                     options=self.optimizer_options)       # an unknown optimizer or option: one line now
 
 
-# What the pool does with a pushed version, by config.rollout.weight_transfer ("memory" pushes bytes
-# itself; its lag-mode versions from the workdir are streamed; "shm" versions are read by path).
-POOL_TRANSFER = {"path": "path", "stream": "stream", "memory": "stream", "shm": "path"}
-
-
 class TrainingError(RuntimeError):
   """The run stopped; the message says what happened, what was saved and what to fix."""
 
@@ -265,7 +260,7 @@ class Trainer:
     try:
       common = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
                     lost_timeout_s=c.lost_timeout_s,
-                    weight_transfer=POOL_TRANSFER[c.weight_transfer])
+                    weight_transfer=rollouts.POOL_TRANSFER[c.weight_transfer])
       if addresses:
         return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **common)
       # Servers start on the base weights as version -1; every version the learner

@@ -34,6 +34,7 @@ from copc_jax.models import hf_io
 from copc_jax.models.decoder import Decoder
 from copc_jax.rollout.protocol import RolloutBackend
 from copc_jax.train import checkpoint, multihost
+from copc_jax.train.rollouts import TRANSFERS
 
 
 class WeightsGone(RuntimeError):
@@ -41,7 +42,6 @@ class WeightsGone(RuntimeError):
 
 
 SHARED_MEMORY = "/dev/shm"
-TRANSFERS = ("path", "stream", "memory", "shm")
 
 
 def shared_memory_directory() -> str:
@@ -64,8 +64,8 @@ def _alive(pid: int) -> bool:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
-  except PermissionError:
-    return True
+  except PermissionError:      # alive, another user's
+    pass
   return True
 
 

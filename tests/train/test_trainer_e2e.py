@@ -175,23 +175,20 @@ def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_
     status = client.status()
     assert status["weight_swaps"] == {"UpdateWeights": 0, "UpdateWeightsBytes": status["version"] + 1}
     assert status["version"] == 3
+    def train_without_the_workdir_disk(transfer: str, name: str) -> dict:
+      """A 3-update run with `transfer` that writes no version to its workdir; the server's Status after."""
+      rollout = dataclasses.replace(config.rollout, weight_transfer=transfer)
+      trainer.Trainer(dataclasses.replace(config, rollout=rollout), str(tmp_path / name)).run()
+      assert [r["step"] for r in metrics.read_metrics(str(tmp_path / name)) if r["step"] >= 1] == [1, 2, 3]
+      weights = tmp_path / name / "weights"
+      assert not weights.exists() or not any(weights.iterdir())
+      return client.status()
+
     # "memory": the same, and nothing goes through the learner's disk either.
-    rollout = dataclasses.replace(config.rollout, weight_transfer="memory")
-    trainer.Trainer(dataclasses.replace(config, rollout=rollout), str(tmp_path / "in_memory")).run()
-    rows = metrics.read_metrics(str(tmp_path / "in_memory"))
-    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
-    weights = tmp_path / "in_memory" / "weights"
-    assert not weights.exists() or not any(weights.iterdir())
-    swaps = client.status()["weight_swaps"]
+    swaps = train_without_the_workdir_disk("memory", "in_memory")["weight_swaps"]
     assert swaps["UpdateWeightsBytes"] == status["weight_swaps"]["UpdateWeightsBytes"] + 4
     # "shm": versions 0..3 by path from /dev/shm; the workdir and /dev/shm hold none afterwards.
-    rollout = dataclasses.replace(config.rollout, weight_transfer="shm")
-    trainer.Trainer(dataclasses.replace(config, rollout=rollout), str(tmp_path / "shared_memory")).run()
-    rows = metrics.read_metrics(str(tmp_path / "shared_memory"))
-    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
-    weights = tmp_path / "shared_memory" / "weights"
-    assert not weights.exists() or not any(weights.iterdir())
-    after = client.status()
+    after = train_without_the_workdir_disk("shm", "shared_memory")
     assert after["version"] == 3 and after["weight_swaps"]["UpdateWeights"] == 4
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"copc_jax_weights_{os.getpid()}_")]
   finally:
