@@ -110,3 +110,50 @@ def test_weight_push_benchmark_runs_every_transfer(tmp_path):
   import bench_weight_push
   bench_weight_push.render(str(tmp_path / "push.json"), str(readme))
   assert "| 1 | " in readme.read_text() and "its share of the step" in readme.read_text()
+
+
+def test_peer_benchmark_times_our_side_and_its_peer_script_splits_steps(tmp_path):
+  """Our phases for real on a small model; the peer script's per-step accounting on recorded calls
+  (Tunix itself lives in its own environment, experiments/peer/requirements.txt)."""
+  import argparse
+  import json
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  sys.path.insert(0, os.path.join(ROOT, "experiments", "peer"))
+  import bench_peer
+  import tunix_ppo
+
+  calls = [("rollout_s", 0.0, 1.0, 10), ("forward_s", 1.0, 1.5), ("update_s", 1.5, 3.0),     # warm-up step
+           ("rollout_s", 3.0, 3.2, 12), ("forward_s", 3.2, 3.3), ("update_s", 3.3, 3.8),
+           ("rollout_s", 4.0, 4.1, 14), ("update_s", 4.1, 4.5)]
+  steps = tunix_ppo.per_step(calls, end=5.0, warmup=1)
+  assert [s["step_s"] for s in steps] == pytest.approx([1.0, 1.0])
+  assert [s["rollout_tokens"] for s in steps] == [12, 14]
+  assert steps[0]["update_s"] == pytest.approx(0.5) and steps[1]["forward_s"] == 0
+
+  prompts = bench_peer.write_workload(str(tmp_path), prompts=4, prompt_length=8, hidden=32, layers=1)
+  args = argparse.Namespace(new_tokens=4, epochs=2, decode_steps=1)
+  ours = bench_peer.Ours(str(tmp_path), prompts, args)
+  try:
+    mine = ours.run(steps=2, warmup=1)
+    peaks = ours.peak_gib()
+  finally:
+    ours.close()
+  assert len(mine["steps"]) == 2 and 0 < mine["rollout_tokens"] <= 4 * 4
+  assert mine["learner_s"] > 0 and mine["weight_sync_s"] > 0 and peaks["server"] > 0
+  assert not os.path.exists(ours.weights._shared)                     # the shm push is freed on close
+  peer = {"rollout_s": 0.5, "rollout_tokens_per_s": 40.0, "forward_s": 0.1, "update_s": 0.3,
+          "weight_sync_s": 0.0, "step_s": 1.0}
+  result = bench_peer.summarise([mine], [peer], tokens_per_step=4 * 12)
+  learner = result["summary"]["learner_tokens_per_s"]
+  assert learner["peer"] == pytest.approx(48 / 0.4)
+  assert learner["ratio"] == pytest.approx(0.4 / mine["learner_s"])
+  assert "ratio" not in result["summary"]["weight_sync_s"]            # the peer has none: no ratio
+  record = {**result, "peer": {"version": "0.1.7", "jax": "0.10.2"}, "parameters": 10 ** 5, "prompts": 4,
+            "prompt_length": 8, "new_tokens": 4, "epochs": 2, "repeats_run": 1, "steps": 2, "warmup": 1,
+            "git_commit": "0" * 40, "command": "python experiments/bench_peer.py",
+            "peak_memory_gib": {"copc_jax_learner_process": 1.0, "copc_jax_server": 0.5, "peer": 1.0}}
+  (tmp_path / "peer.json").write_text(json.dumps(record))
+  readme = tmp_path / "README.md"
+  readme.write_text("<!-- peer:begin -->\n<!-- peer:end -->\n")
+  bench_peer.render(str(tmp_path / "peer.json"), str(readme))
+  assert "| rollout tokens/s |" in readme.read_text() and "| weight sync, s |" in readme.read_text()

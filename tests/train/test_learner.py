@@ -112,3 +112,24 @@ def test_the_update_loop_compiles_to_the_same_program_for_any_epochs_and_minibat
     text = learner._step.lower(learner.state, batch, jax.random.key(0), None).as_text()
     return text.count("dot_general")
   assert dot_count(1, 1) == dot_count(3, 4) > 0
+
+
+def test_the_second_step_reuses_the_first_steps_compile(tmp_path):
+  """A model loaded from a checkpoint: the step's outputs are placed like its inputs; step 2 lowers nothing."""
+  from copc_jax.models import hf_io
+
+  tiny.make_tiny_checkpoint(str(tmp_path))
+  actor, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False)
+  learner = Learner(actor, ValueModel.from_policy(actor, rngs=nnx.Rngs(1)), LearnerConfig())
+  batch = random_batch(actor, batch_size=4, prompt_length=8, response_length=8)
+  lowerings, listening = [], [True]
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: lowerings.append(event) if listening[0] and "to_mlir" in event else None)
+  try:
+    learner.train_step(batch)
+    assert lowerings                       # the listener sees the first step's lowering
+    lowerings.clear()
+    learner.train_step(batch)
+    assert lowerings == []
+  finally:
+    listening[0] = False

@@ -23,7 +23,7 @@ def run_two_processes(script, *args, timeout_s=600):
   results = []
   for worker in workers:
     out, err = worker.communicate(timeout=timeout_s)
-    assert worker.returncode == 0, err[-3000:]
+    assert worker.returncode == 0, out[-2000:] + err[-3000:]
     results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
   return results
 
