@@ -22,7 +22,6 @@ range over repeats; the ratios are copc_jax / peer for throughput, peer / copc_j
 import argparse
 import json
 import os
-import resource
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from peer import tunix_ppo
 
 from copc_jax import presets
 from copc_jax.models import hf_io, tiny
@@ -114,7 +114,7 @@ class Ours:
 
   def peak_gib(self) -> dict:
     server = max(s["memory"]["peak_resident_bytes"] for s in self.pool.status()) / 2**30
-    return {"learner_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "server": server}
+    return {"learner_process": tunix_ppo.peak_rss_gib(), "server": server}
 
   def close(self) -> None:
     self.weights.close()

@@ -15,7 +15,6 @@ the `RLCluster` method that runs it; the first `--warmup` steps (compilation) ar
 import argparse
 import json
 import os
-import resource
 import time
 
 import jax
@@ -135,12 +134,20 @@ def main():
       "library": "tunix", "version": _version("google-tunix"), "jax": jax.__version__,
       "steps_timed": len(steps), "steps": steps,
       **{key: median(key) for key in ("step_s", "rollout_tokens", *sorted(set(PHASES.values())))},
-      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
+      "peak_rss_gib": peak_rss_gib(),
   }
   result["rollout_tokens_per_s"] = float(np.median([s["rollout_tokens"] / s["rollout_s"] for s in steps]))
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
   print(json.dumps(result))
+
+
+def peak_rss_gib() -> float:
+  """This process's peak resident memory (Linux VmHWM: unlike `ru_maxrss`, not inherited from the
+  process that started this one)."""
+  with open("/proc/self/status") as f:
+    kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+  return kib / 2 ** 20
 
 
 def _version(package: str) -> str:
