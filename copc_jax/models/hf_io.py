@@ -124,13 +124,14 @@ def _place_tensor(tensor, hf_name: str, transpose: bool, shape, dtype, placement
 
 
 def load_sharded(model: Decoder, source: str | dict[str, np.ndarray], placements) -> None:
-  """Fill the abstract `model` (`nnx.eval_shape`) from `source`, a checkpoint directory or Hugging Face
-  tensors in memory (name → array, e.g. `safetensors.numpy.load` of pushed bytes): every parameter is
-  created with its placement (`placements`: the tree of `nnx.state(model)` with a Sharding per leaf)."""
+  """Fill the abstract `model` (`nnx.eval_shape`) from `source`, a checkpoint directory or tensors in
+  memory (name → array, e.g. `safetensors.numpy.load` of pushed bytes; Hugging Face names, or parameter
+  paths from `params_bytes`): every parameter is created with its placement (`placements`: the tree
+  of `nnx.state(model)` with a Sharding per leaf)."""
   files = tensor_files(source) if isinstance(source, str) else None
   names = hf_parameter_names(model.config)
-  if files is not None and os.path.exists(os.path.join(source, PARAMS_FILE)):
-    names = {ours: (ours, False) for ours, _ in names.values()}        # a `save_params` push
+  if _in_params_layout(source):                              # a `save_params` or `params_bytes` push
+    names = {ours: (ours, False) for ours, _ in names.values()}
   missing = sorted(set(names) - set(files if files is not None else source))
   if missing:
     raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -150,6 +151,13 @@ def load_sharded(model: Decoder, source: str | dict[str, np.ndarray], placements
     with safe_open(files[hf_name], framework="numpy") as f:
       return _place_tensor(f.get_slice(hf_name), hf_name, transpose, variable.shape, variable.dtype, placement)
   nnx.update(model, jax.tree_util.tree_map_with_path(load, state))
+
+
+def _in_params_layout(source: str | dict) -> bool:
+  """Whether `source` names its tensors by parameter path ("model/norm/weight"), not Hugging Face's."""
+  if isinstance(source, str):
+    return os.path.exists(os.path.join(source, PARAMS_FILE))
+  return any("/" in name for name in source)
 
 
 def read_like(model: Decoder, source: str | dict[str, np.ndarray]) -> Decoder:
@@ -232,13 +240,19 @@ def save_params(model: Decoder, path: str) -> None:
   """Write the model's weights as `PARAMS_FILE` under their parameter paths, in the model's own
   layout and dtypes: what `read_like` loads fastest (a weight push to servers of the same model)."""
   os.makedirs(path, exist_ok=True)
-  tensors = {name: np.asarray(jax.device_get(v[...])) for name, v in _params_by_path(model).items()}
-  save_file(tensors, os.path.join(path, PARAMS_FILE), metadata={"format": "copc_jax.params"})
+  save_file(_params_tensors(model), os.path.join(path, PARAMS_FILE), metadata=_PARAMS_METADATA)
 
 
-def safetensors_bytes(model: Decoder, dtype=np.float32) -> bytes:
-  """The bytes of the `model.safetensors` that `save_pretrained` writes, without the disk."""
-  return save_safetensors_bytes(hf_tensors(model, dtype), metadata={"format": "pt"})
+def params_bytes(model: Decoder) -> bytes:
+  """The bytes of the file `save_params` writes, without the disk (a weight push over gRPC)."""
+  return save_safetensors_bytes(_params_tensors(model), metadata=_PARAMS_METADATA)
+
+
+_PARAMS_METADATA = {"format": "copc_jax.params"}
+
+
+def _params_tensors(model: Decoder) -> dict[str, np.ndarray]:
+  return {name: np.asarray(jax.device_get(v[...])) for name, v in _params_by_path(model).items()}
 
 
 def save_pretrained(model: Decoder, path: str, *, tokenizer=None, dtype=np.float32) -> None:

@@ -190,8 +190,9 @@ class Learner:
     critic_opt = nnx.Optimizer(critic, config.critic_optimizer.make(), wrt=nnx.Param)
     self.graphdef, state = nnx.split((actor, critic, actor_opt, critic_opt))
     self.rng = jax.random.key(seed)
-    if mesh is None:     # committed to one device like the step's outputs: step 2 reuses step 1's compile
-      self.state, self.reference = jax.device_put((state, reference), jax.devices()[0])
+    if mesh is None:     # committed to one device like the step's outputs (step 2 reuses step 1's
+      # compile), and copied: the step donates the state, which must not delete the caller's arrays
+      self.state, self.reference = jax.device_put((state, reference), jax.devices()[0], may_alias=False)
       self._step = jax.jit(self._functional_step, donate_argnums=(0,))
     else:
       state_shardings = sharding.state_shardings(state, mesh, rules)

@@ -12,11 +12,11 @@ the chief writes, and only processes that own servers push.
 
 How a version pushed with the learner's weights at hand reaches the servers (`transfer`,
 `config.rollout.weight_transfer`): "path" and "stream" save it in DIR first (the pool then
-names the directory or streams its bytes); "memory" streams bytes serialized in memory;
-"shm" writes it to shared memory (`/dev/shm`, a tmpfs) in the servers' own layout
-(`hf_io.save_params`: no transposes on either side) and the servers read it from there, so
-nothing touches the disk and nothing crosses gRPC but the path. Versions pushed later
-(lag mode) are saved in DIR and go by path or stream.
+names the directory or streams its bytes); "memory" streams bytes serialized in memory, and
+"shm" writes them to shared memory (`/dev/shm`, a tmpfs) for the servers to read there, so
+nothing touches the disk and nothing crosses gRPC but the path. Both send the servers' own
+layout (`hf_io.params_bytes`, `save_params`: parameter paths, no transposes on either side).
+Versions pushed later (lag mode) are saved in DIR and go by path or stream.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class WeightStore:
     if fresh and self.transfer in ("memory", "shm"):
       actor = self._whole(actor)
       if self.pushes and self.transfer == "memory":
-        self.backend.update_weights_bytes(hf_io.safetensors_bytes(actor), version)
+        self.backend.update_weights_bytes(hf_io.params_bytes(actor), version)
       elif self.pushes:
         self._push_through_shared_memory(version, actor)
       multihost.barrier(f"push v{version}")

@@ -203,6 +203,7 @@ def test_sharded_loading_never_holds_a_full_copy_of_a_100m_model(tmp_path):
 
 
 def test_read_like_gives_the_weights_of_a_checkpoint_tensors_in_memory_or_a_params_push(tmp_path):
+  """Hugging Face files or tensors, and our own layout in a directory (shm push) or bytes (memory push)."""
   from copc_jax.models.decoder import Decoder
 
   config = tiny.tiny_config("qwen2")
@@ -210,7 +211,10 @@ def test_read_like_gives_the_weights_of_a_checkpoint_tensors_in_memory_or_a_para
   before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(served))]
   hf_io.save_pretrained(pushed, str(tmp_path / "hf"))
   hf_io.save_params(pushed, str(tmp_path / "params"))          # the served layout: nothing transposed
-  for source in (str(tmp_path / "hf"), hf_io.hf_tensors(pushed), str(tmp_path / "params")):
+  from safetensors.numpy import load as load_bytes
+
+  in_memory = load_bytes(hf_io.params_bytes(pushed))          # what a "memory" push sends, parsed
+  for source in (str(tmp_path / "hf"), hf_io.hf_tensors(pushed), str(tmp_path / "params"), in_memory):
     loaded = hf_io.read_like(served, source)
     for got, want in zip(jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(pushed)), strict=True):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

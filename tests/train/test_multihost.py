@@ -20,12 +20,12 @@ def run_two_processes(script, *args, timeout_s=600):
   workers = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
-  results = []
-  for worker in workers:
-    out, err = worker.communicate(timeout=timeout_s)
-    assert worker.returncode == 0, out[-2000:] + err[-3000:]
-    results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
-  return results
+  outputs = [worker.communicate(timeout=timeout_s) for worker in workers]
+  report = "\n".join(f"process {i} (exit {w.returncode}):\n{out[-2000:]}\n{err[-2000:]}"
+                      for i, (w, (out, err)) in enumerate(zip(workers, outputs, strict=True)))
+  assert all(w.returncode == 0 for w in workers), report          # both: one's error often explains the other's
+  return [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+          for out, _ in outputs]
 
 
 @pytest.mark.slow
