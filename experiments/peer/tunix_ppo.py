@@ -91,7 +91,6 @@ def main():
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import optax
   import transformers
   from tunix.models.qwen2 import params as qwen2_params
