@@ -123,6 +123,7 @@ class Ours:
 
 def summarise(ours: list[dict], peer: list[dict], tokens_per_step: int) -> dict:
   """Per repeat: throughputs and times of both sides and their ratios; median and range over repeats."""
+  ratio = lambda key, a, b: None if not (a and b) else a / b if key.endswith("per_s") else b / a
   rows = []
   for o, p in zip(ours, peer, strict=True):
     peer_learner_s = p["forward_s"] + p["update_s"]
@@ -132,7 +133,6 @@ def summarise(ours: list[dict], peer: list[dict], tokens_per_step: int) -> dict:
                       p["rollout_s"] + peer_learner_s + p["weight_sync_s"]),
            "rollout_s": (o["rollout_s"], p["rollout_s"]), "learner_s": (o["learner_s"], peer_learner_s),
            "weight_sync_s": (o["weight_sync_s"], p["weight_sync_s"])}
-    ratio = lambda key, a, b: None if not (a and b) else a / b if key.endswith("per_s") else b / a
     rows.append({k: {"copc_jax": a, "peer": b, "ratio": ratio(k, a, b)} for k, (a, b) in row.items()})
   summary = {}
   for key in rows[0]:

@@ -54,16 +54,16 @@ def model_config(hf: dict):
 
 
 def timed(cluster, calls: list) -> None:
-  """Record (phase, start, end) of every call of the phase methods of `cluster` (blocking on results)."""
+  """Record (phase, start, end, tokens returned) of every call of the phase methods of `cluster`
+  (blocking on results)."""
   for name, phase in PHASES.items():
     method = getattr(cluster, name)
 
     def wrapper(*args, _method=method, _phase=phase, **kwargs):
       start = time.perf_counter()
       out = jax.block_until_ready(_method(*args, **kwargs))
-      calls.append((_phase, start, time.perf_counter()))
-      if _phase == "rollout_s":
-        calls[-1] += (int(sum(len(t) for t in out.tokens)),)
+      tokens = int(sum(len(t) for t in out.tokens)) if _phase == "rollout_s" else 0
+      calls.append((_phase, start, time.perf_counter(), tokens))
       return out
     setattr(cluster, name, wrapper)
 
