@@ -9,6 +9,14 @@ config file or on the command line overrides it.
 from ml_collections import config_dict
 
 from copc_jax import config as config_lib
+from copc_jax import presets
+
+GROUP_SIZE = 4      # samples per prompt for the critic-free group presets (grpo, dr_grpo, rloo)
+
+
+def mode_for(preset: str, mode: str = "async") -> str:
+  """`mode`, except for sync PPO, which is defined by staleness 0 and refuses any mode but sync."""
+  return "sync" if preset == "sync_ppo" else mode
 
 
 def add_method_sections(config: config_dict.ConfigDict) -> None:
@@ -26,4 +34,7 @@ def train_config(preset: str) -> config_dict.ConfigDict:
   add_method_sections(config)
   for name in ("model", "task", "rollout", "trainer", "warm_start"):
     config[name] = config_lib.section(name)
+  config.trainer.mode = mode_for(preset, config.trainer.mode)
+  if preset in presets.PRESETS and presets.get_preset(preset).estimator.group_method:
+    config.trainer.group_size = GROUP_SIZE
   return config

@@ -35,7 +35,8 @@ def get_config(arg="7b"):
       addresses=(), num_servers=1, slots=64, max_prefill_length=4096, max_length=16384, max_in_flight=64,
       max_turns=8, max_tokens_per_turn=4096, temperature=1.0, ready_timeout_s=1800.0))
   config.trainer.update(dict(
-      mode="async", steps=500, batch_size=512, num_minibatches=4, max_staleness=4, sync_every=1,
+      mode=common.mode_for(config.preset),
+      steps=500, batch_size=512, num_minibatches=4, max_staleness=4, sync_every=1,
       eval_every=25, checkpoint_every=10, actor_learning_rate=actor_lr, critic_learning_rate=critic_lr,
       warmup_steps=10))
   config.warm_start.steps = 0                 # instruct models already follow the tool format

@@ -33,6 +33,7 @@ def get_config(arg="7b"):
       slots=128, max_prefill_length=4096, max_length=8192, max_in_flight=128, max_turns=4,
       max_tokens_per_turn=512, ready_timeout_s=1800.0))
   config.trainer.update(dict(
-      mode="async", steps=1000, batch_size=512, num_minibatches=4, max_staleness=4, eval_every=50,
+      mode=common.mode_for(config.preset),
+      steps=1000, batch_size=512, num_minibatches=4, max_staleness=4, eval_every=50,
       checkpoint_every=10, actor_learning_rate=1e-6, critic_learning_rate=1e-5, warmup_steps=10))
   return config

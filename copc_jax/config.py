@@ -159,7 +159,7 @@ def from_config_dict(config) -> ExperimentConfig:
   seed = config.get("seed", 0)
   if not isinstance(seed, int) or seed < 0:
     raise ValueError(f"config.seed must be a non-negative int; got {seed!r}")
-  return ExperimentConfig(
+  typed = ExperimentConfig(
       job=job,
       preset=config.get("preset", "copc"),
       seed=seed,
@@ -174,3 +174,18 @@ def from_config_dict(config) -> ExperimentConfig:
       trainer=_build(TrainerConfig, "trainer", config.get("trainer")),
       warm_start=_build(WarmStartConfig, "warm_start", config.get("warm_start")),
   )
+  _check_preset_fits(typed)
+  return typed
+
+
+def _check_preset_fits(config: ExperimentConfig) -> None:
+  """Settings a preset is defined by: sync PPO's staleness 0, the group presets' groups."""
+  if config.job != "train":
+    return
+  if config.preset == "sync_ppo" and config.trainer.mode != "sync":
+    raise ValueError(f"config.trainer.mode: preset 'sync_ppo' is defined by staleness 0 and runs only in "
+                     f"mode 'sync'; got {config.trainer.mode!r} (for uncorrected PPO on stale data use "
+                     f"preset 'decoupled_ppo' with config.actor.behavior_weight=none)")
+  if config.estimator.group_method and config.trainer.group_size < 2:
+    raise ValueError(f"config.trainer.group_size: preset {config.preset!r} compares the samples of a prompt "
+                     f"and needs group_size >= 2; got {config.trainer.group_size}")

@@ -276,10 +276,75 @@ def vtrace(rewards, values, target_logprobs, behavior_logprobs, mask, *,
                             advantage_form="vtrace_pg", impl=impl)
 
 
-def whiten(advantages, mask, eps: float = 1e-6):
-  """(A − mean) / std over the policy tokens of the batch; 0 elsewhere."""
-  mask_f = jnp.asarray(mask, jnp.float32)
+WHITEN_MODES = ("none", "scale", "center")
+
+
+def whiten(advantages, mask, *, mode: str = "center", carried_ratio=None, min_std: float = 0.0):
+  """Batch normalisation of advantages (COPC.md, "Whitening"); 0 outside `mask`.
+
+      none     Â_t
+      scale    Â_t / σ
+      center   (Â_t − m · c_t) / σ
+
+  m, σ: mean and standard deviation of Â over `mask` (the policy tokens the policy channel keeps),
+  σ floored at `min_std` so an all-equal batch is not blown up to unit variance. c_t
+  (`carried_ratio`, float [B, T]; None = 1) is the ratio the advantage channel carries on token t:
+  ρ̃_t = clip(r_t, rho_min, rho_max) for `vtrace`/`copc`, 1 for the GAE presets. With c_t = 1 this is
+  the usual (Â − m)/σ; with a ratio-free policy channel, subtracting m·ρ̃_t instead of m keeps the
+  baseline unbiased (E_μ[r_t ∇log π] = 0), where the plain constant pushes π away from μ.
+  """
+  if mode not in WHITEN_MODES:
+    raise ValueError(f"whiten mode must be one of {WHITEN_MODES}; got {mode!r}")
+  mask = jnp.asarray(mask, bool)
+  advantages = jnp.asarray(advantages, jnp.float32)
+  if mode == "none":
+    return jnp.where(mask, advantages, 0.0)
+  mask_f = mask.astype(jnp.float32)
   count = jnp.maximum(mask_f.sum(), 1.0)
   mean = (advantages * mask_f).sum() / count
-  var = (jnp.square(advantages - mean) * mask_f).sum() / count
-  return jnp.where(mask, (advantages - mean) * jax.lax.rsqrt(var + eps), 0.0)
+  std = jnp.sqrt((jnp.square(advantages - mean) * mask_f).sum() / count)
+  std = jnp.maximum(std, jnp.maximum(min_std, 1e-8))
+  if mode == "scale":
+    return jnp.where(mask, advantages / std, 0.0)
+  carried = 1.0 if carried_ratio is None else jnp.asarray(carried_ratio, jnp.float32)
+  return jnp.where(mask, (advantages - mean * carried) / std, 0.0)
+
+
+GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
+
+
+def group_advantages(rewards_b, group_ids_b, *, method: str = "grpo", eps: float = 1e-6):
+  """Critic-free outcome advantages, one per sequence, from the other samples of its prompt (COPC.md).
+
+  With g the group of sequence i (the sequences whose `group_ids_b` equal its own), n = |g|:
+
+      grpo     A_i = (R_i − mean_g R) / (std_g R + eps)     std with n − 1 in the denominator
+      dr_grpo  A_i =  R_i − mean_g R
+      rloo     A_i =  R_i − mean_{j ∈ g, j ≠ i} R_j  =  n/(n − 1) · (R_i − mean_g R)
+
+  A group of one sequence gets A_i = 0 (no baseline to compare with). Group ids are any integers
+  and need not be sorted or contiguous.
+
+  Args:
+    rewards_b: float [B], the outcome reward of each sequence.
+    group_ids_b: int [B], the prompt (group) each sequence was sampled for.
+  """
+  if method not in GROUP_METHODS:
+    raise ValueError(f"group method must be one of {GROUP_METHODS}; got {method!r}")
+  rewards_b = jnp.asarray(rewards_b, jnp.float32)
+  group_ids_b = jnp.asarray(group_ids_b)
+  if rewards_b.ndim != 1 or group_ids_b.shape != rewards_b.shape:
+    raise ValueError(f"rewards_b and group_ids_b must both be [B]; got {rewards_b.shape} and "
+                     f"{group_ids_b.shape}")
+  same_bb = (group_ids_b[:, None] == group_ids_b[None, :]).astype(jnp.float32)
+  n_b = same_bb.sum(axis=1)
+  mean_b = same_bb @ rewards_b / n_b
+  centered_b = rewards_b - mean_b
+  several_b = n_b > 1
+  if method == "dr_grpo":
+    return jnp.where(several_b, centered_b, 0.0)
+  if method == "rloo":
+    return jnp.where(several_b, centered_b * n_b / jnp.maximum(n_b - 1.0, 1.0), 0.0)
+  deviation_b = rewards_b[None, :] - mean_b[:, None]                       # [i, j]: R_j − mean of i's group
+  var_b = (same_bb * jnp.square(deviation_b)).sum(axis=1) / jnp.maximum(n_b - 1.0, 1.0)
+  return jnp.where(several_b, centered_b / (jnp.sqrt(var_b) + eps), 0.0)

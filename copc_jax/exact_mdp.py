@@ -202,3 +202,49 @@ def decomposition(tree: TreeMDP, preset: str | presets.Preset, *, sample: int = 
   result["g_star"], result["grad_j"] = grad_is, grad_j
   return result
 
+
+
+def kl_gradient(tree: TreeMDP) -> np.ndarray:
+  """∇_θ Σ_s d^μ(s) KL(μ_s‖π_s) = −E_μ[Σ_t ∇log π(a_t|s_t)], flattened over (node, action):
+  a step along it moves π away from the behaviour policy."""
+  k, pi, mu = tree.branching, _softmax(tree.logits_pi), _softmax(tree.logits_mu)
+  grad, reach = np.zeros_like(pi), np.zeros(tree.num_internal)
+  reach[0] = 1.0
+  for node in range(tree.num_internal):
+    grad[node] = reach[node] * (pi[node] - mu[node])
+    children = np.arange(k * node + 1, k * node + k + 1)
+    internal = children[children < tree.num_internal]
+    reach[internal] = reach[node] * mu[node][:len(internal)]
+  return grad.reshape(-1)
+
+
+def whitened_update(tree: TreeMDP, preset: str | presets.Preset, *, whiten: str,
+                    critic_offset: float = 0.0) -> np.ndarray:
+  """The exact expected actor update E_μ[Σ_t w_t · whiten(Â)_t ∇log π(a_t|s_t)] at θ = θ_prox,
+  flattened over (node, action), with the critic's values lowered by `critic_offset` (> 0: a critic
+  below its targets, as a fresh value head) and whitening `whiten` (`estimators.whiten`, or "plain":
+  the usual (Â − m)/σ, the rule before COPC.md's correction). m and σ are the μ-expectations over
+  the tokens the policy channel keeps, as a batch of all trajectories would give them."""
+  preset = presets.get_preset(preset) if isinstance(preset, str) else preset
+  actions = all_trajectories(tree)
+  nodes = states(tree, actions)
+  probs = np.exp(np.log(_softmax(tree.logits_mu))[nodes, actions].sum(1))
+  batch = as_batch(tree, actions)
+  batch = dataclasses.replace(batch, values=batch.values - critic_offset)
+  advantages = np.asarray(estimators.coupled_advantages(
+      batch.rewards, batch.values, batch.logp_target, batch.logp_behavior, batch.mask,
+      **preset.estimator.estimator_kwargs())[0], np.float64)
+  weights = np.asarray(synthetic.policy_weights_at_prox(
+      batch, np.where(advantages == 0, 1e-9, advantages), preset.actor), np.float64)
+  kept = probs[:, None] * (weights != 0)
+  mean = (kept * advantages).sum() / kept.sum()
+  std = np.sqrt((kept * np.square(advantages - mean)).sum() / kept.sum())
+  carried = np.clip(np.exp(batch.logp_target - batch.logp_behavior), *preset.estimator.rho_clip)
+  whitened = {"none": advantages, "scale": advantages / std, "plain": (advantages - mean) / std,
+              "center": (advantages - mean * carried) / std}[whiten]
+  k, pi = tree.branching, _softmax(tree.logits_pi)
+  grad = np.zeros((tree.num_internal, k))
+  for t in range(tree.depth):
+    score = np.eye(k)[actions[:, t]] - pi[nodes[:, t]]
+    np.add.at(grad, nodes[:, t], (probs * weights[:, t] * whitened[:, t])[:, None] * score)
+  return grad.reshape(-1)

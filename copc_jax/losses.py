@@ -2,7 +2,7 @@
 
 Per policy token t (mask_t = 1), with the behaviour ratio r_t = π_prox/μ and
 the PPO ratio q_t = π_θ/π_ref, where π_ref is π_prox or, for `policy_ratio =
-"behavior"` (async PPO), μ itself:
+"behavior"` (async PPO's own surrogate), μ itself:
 
     b_t = behaviour weight:   1                      "none"
                               min(r_t, C)            "truncate"      (TIS, decoupled PPO)
@@ -10,8 +10,20 @@ the PPO ratio q_t = π_θ/π_ref, where π_ref is π_prox or, for `policy_ratio 
                               1[lo ≤ r_t ≤ hi]       "mask"          (COPC's token mask m_t)
     ℓ_t = − b_t · min(q_t Â_t, clip(q_t, 1 − ε_low, 1 + ε_high) Â_t)
 
-aggregated as a token mean (Σ_t ℓ_t / Σ_t mask_t over the batch) or a sequence
-mean (token mean per sequence, then mean over sequences). Tokens whose ratio is
+Two anchors (COPC.md, "Policy channel"), knobs of every preset:
+
+- `mask_ratio`: the indicator 1[lo ≤ · ≤ hi] of "mask"/"masked_ratio" is taken on r_t = π_prox/μ
+  ("proximal", fixed per batch) or on sg(π_θ/μ) ("current": it closes as the update moves away
+  from μ over several minibatches). The value r_t of "masked_ratio" stays π_prox/μ.
+- `anchor`: which ratio a_t decides the PPO indicator (the tokens that stop receiving gradient):
+  q_t itself ("proximal") or π_θ/μ ("behavior"). The gradient weight stays b_t q_t; with
+  anchor = "behavior" the term is ℓ_t = − b_t · (q_t Â_t if the clip of a_t is inactive, else
+  sg(q_t) Â_t), the clip being active where (Â_t > 0 and a_t > 1 + ε_high) or (Â_t < 0 and
+  a_t < 1 − ε_low). With θ = θ_prox and r_t = 1 both anchors agree.
+
+aggregated as a token mean (Σ_t ℓ_t / Σ_t mask_t over the batch), a sequence
+mean (token mean per sequence, then mean over sequences), or a token sum over a
+constant (Σ_t ℓ_t / (B·T), the batch's shape: Dr. GRPO's aggregation, no length bias). Tokens whose ratio is
 not finite are dropped from the numerator and counted. Optional KL to a
 reference policy (k1: log π_θ − log π_ref; k3: e^{−k1} + k1 − 1) and entropy
 bonus are added with their coefficients.
@@ -30,8 +42,10 @@ import jax
 import jax.numpy as jnp
 
 POLICY_RATIOS = ("proximal", "behavior")
+ANCHORS = ("proximal", "behavior")
+MASK_RATIOS = ("proximal", "current")
 BEHAVIOR_WEIGHTS = ("none", "truncate", "masked_ratio", "mask")
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean", "token_sum")
 KL_ESTIMATORS = ("k1", "k3")
 
 
@@ -51,6 +65,8 @@ class ActorLossConfig:
   """Policy channel of one preset (see the table in the module docstring)."""
 
   policy_ratio: str = "proximal"
+  anchor: str = "proximal"
+  mask_ratio: str = "proximal"
   behavior_weight: str = "mask"
   weight_cap: float = 2.0
   mask_range: tuple[float, float] = (0.5, 2.0)
@@ -63,6 +79,8 @@ class ActorLossConfig:
 
   def __post_init__(self):
     _check_choice("policy_ratio", self.policy_ratio, POLICY_RATIOS)
+    _check_choice("anchor", self.anchor, ANCHORS)
+    _check_choice("mask_ratio", self.mask_ratio, MASK_RATIOS)
     _check_choice("behavior_weight", self.behavior_weight, BEHAVIOR_WEIGHTS)
     _check_choice("aggregation", self.aggregation, AGGREGATIONS)
     _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
@@ -90,11 +108,13 @@ class ValueLossConfig:
 
 
 def aggregate(per_token_bt, mask_bt, how: str):
-  """Token mean Σ x / Σ mask, or the mean over sequences of each sequence's token mean."""
+  """Token mean Σ x / Σ mask, the mean over sequences of each sequence's token mean, or Σ x / (B·T)."""
   mask_f = jnp.asarray(mask_bt, jnp.float32)
   per_token_bt = jnp.where(mask_bt, per_token_bt, 0.0)
   if how == "token_mean":
     return per_token_bt.sum() / jnp.maximum(mask_f.sum(), 1.0)
+  if how == "token_sum":
+    return per_token_bt.sum() / per_token_bt.size
   tokens_b = mask_f.sum(axis=1)
   per_seq_b = per_token_bt.sum(axis=1) / jnp.maximum(tokens_b, 1.0)
   has_tokens_b = (tokens_b > 0).astype(jnp.float32)
@@ -106,10 +126,12 @@ def _safe_exp(log_x_bt, valid_bt):
   return jnp.exp(jnp.where(valid_bt, log_x_bt, 0.0))
 
 
-def behavior_weights(ratio_bt, config: ActorLossConfig):
-  """b_t of the module docstring, from the behaviour ratio r_t = π_prox/μ (no gradient)."""
+def behavior_weights(ratio_bt, config: ActorLossConfig, mask_ratio_bt=None):
+  """b_t of the module docstring, from the behaviour ratio r_t = π_prox/μ (no gradient); the mask's
+  indicator is taken on `mask_ratio_bt` when given (sg(π_θ/μ) for `mask_ratio = "current"`)."""
   lo, hi = config.mask_range
-  inside_bt = (ratio_bt >= lo) & (ratio_bt <= hi)
+  mask_ratio_bt = ratio_bt if mask_ratio_bt is None else mask_ratio_bt
+  inside_bt = (mask_ratio_bt >= lo) & (mask_ratio_bt <= hi)
   if config.behavior_weight == "none":
     return jnp.ones_like(ratio_bt)
   if config.behavior_weight == "truncate":
@@ -152,19 +174,30 @@ def actor_loss(logp_theta, logp_prox, logp_behavior, advantages, mask,
   mask = jnp.asarray(mask, bool)
 
   log_ratio_bt = logp_prox - logp_behavior
-  logp_anchor = logp_behavior if config.policy_ratio == "behavior" else logp_prox
-  log_q_bt = logp_theta - logp_anchor
-  finite_bt = jnp.isfinite(log_ratio_bt) & jnp.isfinite(log_q_bt) & jnp.isfinite(advantages)
+  logp_q_reference = logp_behavior if config.policy_ratio == "behavior" else logp_prox
+  log_q_bt = logp_theta - logp_q_reference
+  log_current_bt = jax.lax.stop_gradient(logp_theta) - logp_behavior      # log sg(π_θ/μ)
+  finite_bt = (jnp.isfinite(log_ratio_bt) & jnp.isfinite(log_q_bt) & jnp.isfinite(advantages)
+               & jnp.isfinite(log_current_bt))
   valid_bt = mask & finite_bt
   ratio_bt = _safe_exp(log_ratio_bt, valid_bt)
   q_bt = _safe_exp(log_q_bt, valid_bt)
+  current_bt = _safe_exp(log_current_bt, valid_bt)
   advantages = jnp.where(valid_bt, advantages, 0.0)
 
-  weight_bt = jnp.where(valid_bt, behavior_weights(ratio_bt, config), 0.0)
-  clipped_q_bt = jnp.clip(q_bt, 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+  mask_ratio_bt = current_bt if config.mask_ratio == "current" else ratio_bt
+  weight_bt = jnp.where(valid_bt, behavior_weights(ratio_bt, config, mask_ratio_bt), 0.0)
+  lo_clip, hi_clip = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
   unclipped_term_bt = q_bt * advantages
-  clipped_term_bt = clipped_q_bt * advantages
-  surrogate_bt = weight_bt * jnp.minimum(unclipped_term_bt, clipped_term_bt)
+  if config.anchor == "proximal" or config.policy_ratio == "behavior":    # the indicator's ratio is q
+    clipped_term_bt = jnp.clip(q_bt, lo_clip, hi_clip) * advantages
+    clip_active_bt = valid_bt & (clipped_term_bt < unclipped_term_bt)
+    surrogate_bt = weight_bt * jnp.minimum(unclipped_term_bt, clipped_term_bt)
+  else:                       # the indicator on π_θ/μ, the gradient weight b_t q_t unchanged
+    clip_active_bt = valid_bt & (((advantages > 0) & (current_bt > hi_clip))
+                                 | ((advantages < 0) & (current_bt < lo_clip)))
+    surrogate_bt = weight_bt * jnp.where(clip_active_bt, jax.lax.stop_gradient(unclipped_term_bt),
+                                         unclipped_term_bt)
   loss = -aggregate(surrogate_bt, mask, config.aggregation)
 
   if config.kl_coef > 0:
@@ -180,7 +213,6 @@ def actor_loss(logp_theta, logp_prox, logp_behavior, advantages, mask,
     mean_entropy = aggregate(jnp.where(valid_bt, f32(entropy), 0.0), mask, config.aggregation)
     loss = loss - config.entropy_coef * mean_entropy
 
-  clip_active_bt = valid_bt & (clipped_term_bt < unclipped_term_bt)
   policy_weight_bt = jnp.where(clip_active_bt, 0.0, weight_bt * q_bt)
   mask_f = mask.astype(jnp.float32)
   n_tokens = jnp.maximum(mask_f.sum(), 1.0)
@@ -199,6 +231,8 @@ def actor_loss(logp_theta, logp_prox, logp_behavior, advantages, mask,
       "ess": jnp.square(ratio_mean) / jnp.maximum(ratio_sq_mean, 1e-30) * (n_valid > 0),
       "advantage_mean": adv_mean,
       "advantage_std": adv_std,
+      # KL(μ‖π_θ) on μ's samples, k3 estimator (x − 1 − log x with x = π_θ/μ), over the policy tokens.
+      "kl_behavior": _masked_stats(current_bt - 1.0 - jnp.where(valid_bt, log_current_bt, 0.0), valid_bt)[0],
       "policy_weight_mean": _masked_stats(policy_weight_bt, valid_bt)[0],
   }
   if reference_advantages is not None:

@@ -9,6 +9,12 @@
 | icepop / mis    | PPO vs π_prox × r·1[0.5 ≤ r ≤ 5]    | GAE                        |
 | vtrace          | PPO vs π_prox                       | V-trace, one-sided clips   |
 | copc / copc_spec| token mask 1[0.5 ≤ r ≤ 2]           | two-sided clipped TD       |
+| grpo            | PPO vs π_prox                       | (R − mean_g) / std_g       |
+| dr_grpo         | PPO vs π_prox, token sum / constant | R − mean_g                 |
+| rloo            | PPO vs π_prox                       | R − leave-one-out mean     |
+
+The group presets are critic-free: `trainer.group_size` samples per prompt form a group g; the
+policy-side corrections are their knobs (`actor.behavior_weight` = truncate / masked_ratio, ...).
 
 In `vtrace` and `copc` the advantage already carries the ratio of the token
 being updated, so the policy channel carries none.
@@ -37,7 +43,9 @@ class EstimatorConfig:
   rho_clip: tuple[float, float] = (0.5, 2.0)
   trace_clip: tuple[float, float] = (0.5, 1.0)
   advantage_form: str = "trace"
-  whiten_advantages: bool = True
+  group_method: str = ""          # "" = the critic's coupled advantages; "grpo" | "dr_grpo" | "rloo"
+  whiten: str = "center"          # "none" | "scale" | "center" (estimators.whiten)
+  whiten_min_std: float = 0.05    # σ floor, in reward units (the tasks' rewards lie in [0, 1])
   impl: str = "scan"
 
   def __post_init__(self):
@@ -52,6 +60,13 @@ class EstimatorConfig:
     if self.advantage_form not in estimators.ADVANTAGE_FORMS:
       raise ValueError(f"advantage_form must be one of {estimators.ADVANTAGE_FORMS}; "
                        f"got {self.advantage_form!r}")
+    if self.group_method and self.group_method not in estimators.GROUP_METHODS:
+      raise ValueError(f"group_method must be '' (critic) or one of {estimators.GROUP_METHODS}; got "
+                       f"{self.group_method!r}")
+    if self.whiten not in estimators.WHITEN_MODES:
+      raise ValueError(f"whiten must be one of {estimators.WHITEN_MODES}; got {self.whiten!r}")
+    if not self.whiten_min_std >= 0:
+      raise ValueError(f"whiten_min_std must be >= 0; got {self.whiten_min_std}")
     if self.impl not in estimators.SCAN_IMPLS:
       raise ValueError(f"impl must be one of {estimators.SCAN_IMPLS}; got {self.impl!r}")
 
@@ -67,6 +82,12 @@ class Preset:
 
 
 _GAE = EstimatorConfig(rho_clip=(1.0, 1.0), trace_clip=(1.0, 1.0))
+
+
+def _group(method: str) -> EstimatorConfig:
+  return EstimatorConfig(rho_clip=(1.0, 1.0), trace_clip=(1.0, 1.0), group_method=method, whiten="none")
+
+
 _COPC_SPEC = Preset(EstimatorConfig(), ActorLossConfig(behavior_weight="mask", mask_range=(0.5, 2.0)))
 _ICEPOP = Preset(_GAE, ActorLossConfig(behavior_weight="masked_ratio", mask_range=(0.5, 5.0)))
 
@@ -80,6 +101,10 @@ PRESETS: dict[str, Preset] = {
     "vtrace": Preset(
         EstimatorConfig(rho_clip=(0.0, 1.0), trace_clip=(0.0, 1.0), advantage_form="vtrace_pg"),
         ActorLossConfig(behavior_weight="none")),
+    # Critic-free: n samples per prompt (trainer.group_size), one outcome advantage per sequence.
+    "grpo": Preset(_group("grpo"), ActorLossConfig(behavior_weight="none")),
+    "dr_grpo": Preset(_group("dr_grpo"), ActorLossConfig(behavior_weight="none", aggregation="token_sum")),
+    "rloo": Preset(_group("rloo"), ActorLossConfig(behavior_weight="none")),
     "copc_spec": _COPC_SPEC,
     "copc": _COPC_SPEC,       # the pick of experiments/copc_default (its test holds the two together)
 }

@@ -280,3 +280,82 @@ def test_whiten_uses_policy_tokens_only():
   mask = jnp.array([[True, False, True]])
   out = np.asarray(estimators.whiten(adv, mask))
   assert_close(out, [[-1.0, 0.0, 1.0]], tol=1e-5)
+
+
+# --- whitening modes and the σ floor -------------------------------------------------------------
+
+def test_whiten_modes_against_the_formula():
+  rng = np.random.default_rng(0)
+  adv = rng.normal(size=(3, 5)).astype(np.float32) + 0.7
+  mask = rng.random((3, 5)) < 0.7
+  carried = rng.uniform(0.5, 2.0, size=(3, 5)).astype(np.float32)
+  m, s = adv[mask].mean(), adv[mask].std()
+  np.testing.assert_allclose(estimators.whiten(adv, mask, mode="none"), np.where(mask, adv, 0), atol=1e-6)
+  np.testing.assert_allclose(estimators.whiten(adv, mask, mode="scale"), np.where(mask, adv / s, 0), atol=1e-5)
+  np.testing.assert_allclose(estimators.whiten(adv, mask, mode="center", carried_ratio=carried),
+                             np.where(mask, (adv - m * carried) / s, 0), atol=1e-5)
+  np.testing.assert_allclose(estimators.whiten(adv, mask, mode="center"),        # c_t = 1: the usual rule
+                             np.where(mask, (adv - m) / s, 0), atol=1e-5)
+
+
+def test_whiten_floor_keeps_an_all_equal_batch_small():
+  """All rewards 0 after a collapse: advantages are critic noise of ~1e-3; the floor keeps them that size."""
+  rng = np.random.default_rng(1)
+  adv = 1e-3 * rng.normal(size=(4, 6)).astype(np.float32)
+  mask = np.ones((4, 6), bool)
+  floored = np.asarray(estimators.whiten(adv, mask, mode="center", min_std=0.05))
+  unfloored = np.asarray(estimators.whiten(adv, mask, mode="center", min_std=0.0))
+  assert np.abs(floored).max() < 0.1
+  assert np.std(unfloored) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_whiten_rejects_an_unknown_mode():
+  with pytest.raises(ValueError, match="whiten mode must be one of"):
+    estimators.whiten(np.zeros((1, 2)), np.ones((1, 2), bool), mode="mean")
+
+
+# --- group baselines --------------------------------------------------------------------------------
+
+def _literal_group_advantages(rewards, groups, method, eps):
+  out = []
+  for i, (r, g) in enumerate(zip(rewards, groups, strict=True)):
+    members = [rewards[j] for j in range(len(rewards)) if groups[j] == g]
+    others = [rewards[j] for j in range(len(rewards)) if groups[j] == g and j != i]
+    if len(members) == 1:
+      out.append(0.0)
+    elif method == "grpo":
+      out.append((r - np.mean(members)) / (np.std(members, ddof=1) + eps))
+    elif method == "dr_grpo":
+      out.append(r - np.mean(members))
+    else:
+      out.append(r - np.mean(others))
+  return np.array(out)
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
+def test_group_advantages_match_a_literal_reading(method):
+  rng = np.random.default_rng(2)
+  groups = np.array([7, 3, 7, 3, 3, 9, 7, 3, 11, 11])       # unsorted ids, a group of one (9)
+  rewards = rng.integers(0, 2, size=10).astype(np.float32) + 0.1 * rng.normal(size=10).astype(np.float32)
+  got = estimators.group_advantages(rewards, groups, method=method)
+  np.testing.assert_allclose(got, _literal_group_advantages(rewards, groups, method, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_grpo_matches_tunix_formula():
+  """Tunix's `grpo` estimator: rewards reshaped [prompts, n], mean and std(ddof=1), eps = 1e-4."""
+  rng = np.random.default_rng(3)
+  n = 4
+  rewards = rng.integers(0, 2, size=4 * n).astype(np.float32)
+  grouped = rewards.reshape(-1, n)
+  tunix = (rewards - np.repeat(grouped.mean(1), n)) / (np.repeat(grouped.std(1, ddof=1), n) + 1e-4)
+  got = estimators.group_advantages(rewards, np.repeat(np.arange(4), n), method="grpo", eps=1e-4)
+  np.testing.assert_allclose(got, tunix, rtol=1e-5, atol=1e-6)
+
+
+def test_rloo_is_the_scaled_dr_grpo():
+  rewards, groups = np.array([1.0, 0.0, 0.0, 1.0, 1.0]), np.array([0, 0, 0, 1, 1])
+  n = np.array([3, 3, 3, 2, 2])
+  np.testing.assert_allclose(estimators.group_advantages(rewards, groups, method="rloo"),
+                             n / (n - 1) * np.asarray(estimators.group_advantages(rewards, groups,
+                                                                                   method="dr_grpo")),
+                             rtol=1e-6)

@@ -52,3 +52,53 @@ def test_unclipped_unmasked_copc_is_unbiased_for_the_importance_sampled_gradient
       dataclasses.replace(copc.actor, mask_range=(0.0, np.inf)))
   assert exact_mdp.decomposition(tree, unclipped)["bias_total"] < 1e-4
   assert exact_mdp.decomposition(tree, "copc")["bias_total"] > 0.01         # the defaults do cost bias
+
+
+# --- whitening (COPC.md, "Whitening"): the baseline's push along ∇KL(μ‖π) ------------------------
+
+def _baseline_push(tree, preset, rule):
+  """The component along ∇KL(μ‖π) of what subtracting the baseline adds to the expected update,
+  relative to the update without it (> 0: whitening pushes π away from μ)."""
+  kl_direction = exact_mdp.kl_gradient(tree)
+  kl_direction /= np.linalg.norm(kl_direction)
+  scaled = exact_mdp.whitened_update(tree, preset, whiten="scale", critic_offset=1.0)
+  centered = exact_mdp.whitened_update(tree, preset, whiten=rule, critic_offset=1.0)
+  return float((centered - scaled) @ kl_direction / np.linalg.norm(scaled))
+
+
+def _unclipped(name):
+  """The preset with ratio clips that never bind: its channels carry r_t exactly once."""
+  preset = presets.get_preset(name)
+  return dataclasses.replace(preset, estimator=dataclasses.replace(
+      preset.estimator, rho_clip=(0.0, 1e9), trace_clip=(0.0, 1e9)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_centered_whitening_adds_no_push_away_from_mu_when_the_channels_carry_the_ratio_once(seed):
+  """V-trace with unclipped ρ (ratio-free policy channel, ρ_t on the advantage): the old rule's
+  constant adds (m/σ)·∇KL(μ‖π) (a push away from μ when the critic is below its targets); the
+  spec's rule subtracts m·ρ_t, whose expectation under μ is 0."""
+  tree = exact_mdp.make_tree(np.random.default_rng(seed), branching=3, depth=4, drift=1.0)
+  assert _baseline_push(tree, _unclipped("vtrace"), "plain") > 0.3
+  assert abs(_baseline_push(tree, _unclipped("vtrace"), "center")) < 1e-6
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", ["vtrace", "copc"])
+def test_centered_whitening_shrinks_the_push_for_the_ratio_free_presets(seed, name):
+  """With the presets' own clips (ρ̃ = clip(r), COPC's mask) the centred baseline is not exactly
+  unbiased (E_μ[clip(r) ∇log π] ≠ 0), but its push away from μ is smaller than the old rule's
+  (measured here: about half for V-trace's one-sided clip at 1, a tenth to a half for COPC)."""
+  tree = exact_mdp.make_tree(np.random.default_rng(seed), branching=3, depth=4, drift=0.5)
+  old, new = _baseline_push(tree, name, "plain"), _baseline_push(tree, name, "center")
+  assert old > 0.2
+  assert new < old
+
+
+@pytest.mark.parametrize("name", ["decoupled_ppo", "tis", "icepop", "async_ppo"])
+def test_centered_whitening_is_the_usual_rule_for_the_gae_presets(name):
+  """The GAE presets carry no ratio in the advantage (c_t = 1): both rules are (Â − m)/σ."""
+  tree = exact_mdp.make_tree(np.random.default_rng(0), branching=3, depth=4, drift=1.0)
+  np.testing.assert_allclose(exact_mdp.whitened_update(tree, name, whiten="center", critic_offset=1.0),
+                             exact_mdp.whitened_update(tree, name, whiten="plain", critic_offset=1.0),
+                             atol=1e-12)

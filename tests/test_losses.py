@@ -34,6 +34,7 @@ def hand_policy_weight(name, b):
       "icepop": np.where((r >= 0.5) & (r <= 5.0), r, 0.0),
       "mis": np.where((r >= 0.5) & (r <= 5.0), r, 0.0),
       "copc": copc_spec_mask, "copc_spec": copc_spec_mask,
+      "grpo": np.ones_like(r), "dr_grpo": np.ones_like(r), "rloo": np.ones_like(r),
   }[name]
   adv = b["advantages"]
   clipped = ((adv > 0) & (q > 1 + EPS_HIGH)) | ((adv < 0) & (q < 1 - EPS_LOW))
@@ -46,8 +47,13 @@ def test_gradient_of_each_preset_equals_hand_derived(name):
   config = presets.get_preset(name).actor
   grad = jax.grad(lambda lp: losses.actor_loss(lp, b["logp_prox"], b["logp_behavior"],
                                                b["advantages"], b["mask"], config)[0])(b["logp_theta"])
-  expected = -hand_policy_weight(name, b) * b["advantages"] / b["mask"].sum()
+  expected = -hand_policy_weight(name, b) * b["advantages"] / _denominator(config, b)
   np.testing.assert_allclose(np.asarray(grad), expected, atol=TOL, rtol=1e-4)
+
+
+def _denominator(config, b):
+  """Token mean: the policy tokens; Dr. GRPO's token sum: the constant B·T."""
+  return b["mask"].size if config.aggregation == "token_sum" else b["mask"].sum()
 
 
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
@@ -66,7 +72,7 @@ def test_loss_value_of_each_preset(name):
   active = b["mask"] & (clipped_q * adv < q * adv)
   behaviour = losses.behavior_weights(jnp.asarray(r), config)
   weight = np.where(active, np.asarray(behaviour), weight)
-  expected = -(weight * np.minimum(q * adv, clipped_q * adv) * b["mask"]).sum() / b["mask"].sum()
+  expected = -(weight * np.minimum(q * adv, clipped_q * adv) * b["mask"]).sum() / _denominator(config, b)
   np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=TOL)
   np.testing.assert_allclose(float(diag["clip_fraction"]), active.sum() / b["mask"].sum(), atol=TOL)
 
@@ -186,3 +192,96 @@ def test_bias_decomposition_terms_sum_to_the_total_bias():
 def test_bad_loss_config_names_the_field(kw, field):
   with pytest.raises(ValueError, match=field):
     losses.ActorLossConfig(**kw)
+
+
+# --- the anchors: which ratio decides the PPO indicator, which ratio the mask is taken on ----------
+
+def _loss_and_grad(b, config):
+  return jax.value_and_grad(lambda lp: losses.actor_loss(lp, b["logp_prox"], b["logp_behavior"], b["advantages"],
+                                                         b["mask"], config)[0])(b["logp_theta"])
+
+
+@pytest.mark.parametrize("name", ["decoupled_ppo", "tis", "icepop", "vtrace", "copc"])
+def test_anchors_agree_at_the_proximal_policy_on_fresh_data(name):
+  """θ = θ_prox and μ = π_prox (r = 1): π_θ/π_prox = π_θ/μ, so both anchors and both mask readings
+  give the same loss and gradient."""
+  b = tiny_batch(4)
+  b["logp_theta"] = b["logp_behavior"] = b["logp_prox"]
+  base = presets.get_preset(name).actor
+  reference = _loss_and_grad(b, base)
+  for anchor in losses.ANCHORS:
+    for mask_ratio in losses.MASK_RATIOS:
+      got = _loss_and_grad(b, dataclasses.replace(base, anchor=anchor, mask_ratio=mask_ratio))
+      np.testing.assert_allclose(got[0], reference[0], atol=TOL)
+      np.testing.assert_allclose(got[1], reference[1], atol=TOL)
+
+
+@pytest.mark.parametrize("name", ["decoupled_ppo", "vtrace", "copc"])
+def test_behavior_anchor_stops_the_tokens_whose_current_ratio_to_mu_left_the_clip(name):
+  """anchor = behavior: gradient b_t q_t Â_t where the PPO indicator on π_θ/μ is inactive, 0 where
+  (Â > 0 and π_θ/μ > 1 + ε_high) or (Â < 0 and π_θ/μ < 1 − ε_low); the weight keeps q = π_θ/π_prox."""
+  b = tiny_batch(5)
+  config = dataclasses.replace(presets.get_preset(name).actor, anchor="behavior")
+  loss, grad = _loss_and_grad(b, config)
+  r = np.exp(b["logp_prox"].astype(np.float64) - b["logp_behavior"])
+  q = np.exp(b["logp_theta"].astype(np.float64) - b["logp_prox"])
+  current = np.exp(b["logp_theta"].astype(np.float64) - b["logp_behavior"])
+  adv = b["advantages"]
+  behaviour = np.asarray(losses.behavior_weights(jnp.asarray(r), config))
+  stopped = ((adv > 0) & (current > 1 + EPS_HIGH)) | ((adv < 0) & (current < 1 - EPS_LOW))
+  expected_grad = -np.where(b["mask"] & ~stopped, behaviour * q, 0.0) * adv / b["mask"].sum()
+  np.testing.assert_allclose(np.asarray(grad), expected_grad, atol=TOL, rtol=1e-4)
+  np.testing.assert_allclose(float(loss), -(behaviour * q * adv * b["mask"]).sum() / b["mask"].sum(),
+                             rtol=1e-5, atol=TOL)
+  # The indicators differ from the proximal anchor's on this batch: the knob changes something.
+  proximal_stopped = ((adv > 0) & (q > 1 + EPS_HIGH)) | ((adv < 0) & (q < 1 - EPS_LOW))
+  assert (b["mask"] & (stopped != proximal_stopped)).any()
+
+
+def test_current_mask_ratio_masks_on_pi_theta_over_mu_without_gradient_through_it():
+  """mask_ratio = current: COPC's m_t = 1[0.5 ≤ sg(π_θ/μ) ≤ 2]; the proximal reading keeps π_prox/μ."""
+  b = tiny_batch(6)
+  config = dataclasses.replace(presets.get_preset("copc").actor, mask_ratio="current")
+  _, grad = _loss_and_grad(b, config)
+  q = np.exp(b["logp_theta"].astype(np.float64) - b["logp_prox"])
+  current = np.exp(b["logp_theta"].astype(np.float64) - b["logp_behavior"])
+  adv = b["advantages"]
+  inside = (current >= 0.5) & (current <= 2.0)
+  clipped = ((adv > 0) & (q > 1 + EPS_HIGH)) | ((adv < 0) & (q < 1 - EPS_LOW))
+  expected = -np.where(b["mask"] & inside & ~clipped, q, 0.0) * adv / b["mask"].sum()
+  np.testing.assert_allclose(np.asarray(grad), expected, atol=TOL, rtol=1e-4)
+  r = np.exp(b["logp_prox"].astype(np.float64) - b["logp_behavior"])
+  assert (b["mask"] & (inside != ((r >= 0.5) & (r <= 2.0)))).any()     # the readings differ here
+
+
+def test_anchors_diverge_after_one_update_as_the_formulas_say():
+  """After a step θ ≠ θ_prox: on fresh data (μ = π_prox) π_θ/μ = π_θ/π_prox, so the behaviour anchor
+  equals the proximal one (the same gradient; the loss value differs where the clip binds: the
+  proximal form writes clip(q)·Â, the behaviour form sg(q)·Â); on stale data (μ ≠ π_prox) the
+  gradients differ exactly on the tokens whose indicator flips between the two ratios."""
+  b = tiny_batch(7)
+  base = presets.get_preset("vtrace").actor
+  fresh = dict(b, logp_behavior=b["logp_prox"])
+  np.testing.assert_allclose(_loss_and_grad(fresh, base)[1],
+                             _loss_and_grad(fresh, dataclasses.replace(base, anchor="behavior"))[1], atol=TOL)
+  g_prox = np.asarray(_loss_and_grad(b, base)[1])
+  g_beh = np.asarray(_loss_and_grad(b, dataclasses.replace(base, anchor="behavior"))[1])
+  q = np.exp(b["logp_theta"].astype(np.float64) - b["logp_prox"])
+  current = np.exp(b["logp_theta"].astype(np.float64) - b["logp_behavior"])
+  adv = b["advantages"]
+  stop = lambda ratio: ((adv > 0) & (ratio > 1 + EPS_HIGH)) | ((adv < 0) & (ratio < 1 - EPS_LOW))
+  differs = b["mask"] & (stop(q) != stop(current))
+  assert differs.any()
+  np.testing.assert_array_equal(np.abs(g_prox - g_beh) > 1e-7, differs)
+
+
+def test_kl_behavior_is_the_k3_estimate():
+  b = tiny_batch(8)
+  _, diag = losses.actor_loss(**b, config=presets.get_preset("copc").actor)
+  x = np.exp(b["logp_theta"].astype(np.float64) - b["logp_behavior"])
+  np.testing.assert_allclose(float(diag["kl_behavior"]), (x - 1 - np.log(x))[b["mask"]].mean(), rtol=1e-4)
+
+
+def test_unknown_anchor_is_one_clear_line():
+  with pytest.raises(ValueError, match="anchor must be one of"):
+    losses.ActorLossConfig(anchor="mu")

@@ -135,8 +135,10 @@ def continue_episode(generate: GenerateFn, trajectory: Trajectory, *, tool: Tool
   return trajectory
 
 
-def to_batch(trajectories: Sequence[Trajectory], length: int | None = None) -> TrajectoryBatch:
-  """Right-padded learner batch; each trajectory's reward sits on its last generated token."""
+def to_batch(trajectories: Sequence[Trajectory], length: int | None = None,
+             group_ids: Sequence[int] | None = None) -> TrajectoryBatch:
+  """Right-padded learner batch; each trajectory's reward sits on its last generated token.
+  `group_ids`: the prompt group of each trajectory (default: each its own)."""
   length = length or max(len(t.context) for t in trajectories)
   b = len(trajectories)
   tokens = np.zeros((b, length), np.int32)
@@ -157,5 +159,9 @@ def to_batch(trajectories: Sequence[Trajectory], length: int | None = None) -> T
     generated = np.nonzero(mask[i])[0]
     if len(generated):
       rewards[i, generated[-1]] = t.reward
+  group_ids = np.arange(b) if group_ids is None else np.asarray(group_ids)
+  if group_ids.shape != (b,):
+    raise ValueError(f"group_ids must have one id per trajectory ({b}); got shape {group_ids.shape}")
   return TrajectoryBatch(tokens=tokens, attention_mask=attention_mask, mask=mask,
-                         behavior_logprobs=logprobs, versions=versions, rewards=rewards)
+                         behavior_logprobs=logprobs, versions=versions, rewards=rewards,
+                         group_ids=np.broadcast_to(group_ids.astype(np.int32)[:, None], (b, length)).copy())

@@ -17,6 +17,9 @@ class TrajectoryBatch:
   behavior_logprobs: float [B, T]  log μ(y_t) from the sampler
   versions:          int32 [B, T]  weights version that sampled y_t
   rewards:           float [B, T]  reward received after y_t
+  group_ids:         int32 [B, T]  the prompt group of the row (n samples per prompt), on every
+                                   position of the row; (`agent.to_batch`: each row its own
+                                   group unless given)
   """
 
   tokens: jax.Array
@@ -25,12 +28,13 @@ class TrajectoryBatch:
   behavior_logprobs: jax.Array
   versions: jax.Array
   rewards: jax.Array
+  group_ids: jax.Array
 
   def validate(self) -> None:
     shape = self.tokens.shape
     if len(shape) != 2:
       raise ValueError(f"tokens must be [B, T]; got shape {shape}")
-    for name in ("attention_mask", "mask", "behavior_logprobs", "versions", "rewards"):
+    for name in ("attention_mask", "mask", "behavior_logprobs", "versions", "rewards", "group_ids"):
       if getattr(self, name).shape != shape:
         raise ValueError(f"{name} must have the shape of tokens {shape}; got {getattr(self, name).shape}")
     if bool(jnp.any(self.mask[:, 0])):

@@ -106,24 +106,29 @@ class AsyncSource(SyncSource):
     super().__init__(*args, **kwargs)
     self.sync_every = sync_every
     self.buffer = TrajectoryBuffer(max_staleness)
-    for payload, oldest in buffered:
-      self.buffer.put(rollouts.Episode.from_json(payload), oldest)
+    for unit, oldest in rollouts.units_from_json(buffered):
+      self.buffer.put(unit, oldest)
     self.max_staleness = max_staleness
     self.collector: rollouts.AsyncCollector | None = None
 
   def start(self, step: int) -> None:
-    admission = AdmissionControl(self.max_staleness, self.batch_size, learner_version=step,
+    admission = AdmissionControl(self.max_staleness, self.units, learner_version=step,
                                  pending=len(self.buffer))
     self.weights.push(step, self.actor())
     self.collector = rollouts.AsyncCollector(self.runner, self.prompts, admission, self.buffer,
                                              workers=self.workers, weights_version=lambda: self.weights.served)
     self.collector.start()
 
+  @property
+  def units(self) -> int:
+    """Groups per batch: the async unit (one episode without groups)."""
+    return self.batch_size // self.prompts.group_size
+
   def next_batch(self, step: int) -> list[rollouts.Episode]:
-    return self.collector.take(self.batch_size, step)[0]
+    return [episode for unit in self.collector.take(self.units, step)[0] for episode in unit]
 
   def after_update(self, step: int) -> None:
-    self.collector.admission.on_update(self.batch_size)
+    self.collector.admission.on_update(self.units)
     if step % self.sync_every == 0:
       self.weights.push(step, self.actor())
       self.collector.admission.wake()
@@ -133,7 +138,7 @@ class AsyncSource(SyncSource):
 
   def state(self) -> dict:
     if self.collector is None:
-      return {"data": self.prompts.state(), "buffer": [(e.to_json(), v) for e, v in self.buffer.items()]}
+      return {"data": self.prompts.state(), "buffer": rollouts.units_to_json(self.buffer.items())}
     return self.collector.state()
 
   def request_stop(self) -> None:

@@ -36,4 +36,5 @@ def random_batch(actor, *, batch_size: int, prompt_length: int, response_length:
   return TrajectoryBatch(
       tokens=tokens, attention_mask=attention_mask, mask=mask,
       behavior_logprobs=np.where(mask, behaviour, 0.0).astype(np.float32),
-      versions=np.where(mask, versions, 0).astype(np.int32), rewards=rewards)
+      versions=np.where(mask, versions, 0).astype(np.int32), rewards=rewards,
+      group_ids=np.broadcast_to(np.arange(batch_size, dtype=np.int32)[:, None] // 2, (batch_size, length)))

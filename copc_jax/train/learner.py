@@ -6,10 +6,19 @@
 Inside the step:
   1. log π_prox(y_t) and V_t with the current weights (no gradient), π under the
      rollouts' sampling settings (`copc_jax.sampling`: temperature, top-k, top-p);
-  2. `coupled_advantages` with the preset's estimator, optional whitening;
+  2. `coupled_advantages` with the preset's estimator (or, for the critic-free group presets,
+     `group_advantages` of the sequences' outcome rewards), then whitening by the spec's rule
+     (`estimators.whiten`: none | scale | center, the baseline scaled by the ratio the advantage
+     channel carries);
   3. `epochs` × `num_minibatches` updates of the actor (preset's actor loss, with the KL term to a
      frozen reference when `kl_coef > 0`) and of the critic (clipped value loss), each with its
-     own optimizer, as one `lax.scan`.
+     own optimizer, as one `lax.scan`. `critic_step` runs the same with the actor held still (the
+     critic warm-up); group presets train no critic.
+
+The metrics say what moves before a failure: the advantages before whitening (mean, std, min,
+max), the returns, KL(μ‖π_prox) (k3, from μ's own samples) and the behaviour ratio's extremes
+over the whole batch; clip fraction, mask fraction, value loss and explained variance averaged over
+the minibatch updates.
 """
 
 from __future__ import annotations
@@ -106,20 +115,59 @@ def _take(batch: TrajectoryBatch, extra: dict, index):
   return jax.tree.map(lambda x: x[index], batch), jax.tree.map(lambda x: x[index], extra)
 
 
-def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, reference=None):
+def _masked_summary(x_bt, mask_bt, prefix: str) -> dict:
+  """Mean, std, min and max of `x_bt` over `mask_bt`, named `prefix_mean` etc."""
+  count = jnp.maximum(mask_bt.sum(), 1)
+  mean = jnp.where(mask_bt, x_bt, 0.0).sum() / count
+  std = jnp.sqrt(jnp.where(mask_bt, jnp.square(x_bt - mean), 0.0).sum() / count)
+  return {f"{prefix}_mean": mean, f"{prefix}_std": std,
+          f"{prefix}_min": jnp.where(mask_bt, x_bt, jnp.inf).min(),
+          f"{prefix}_max": jnp.where(mask_bt, x_bt, -jnp.inf).max()}
+
+
+def advantages_and_returns(batch: TrajectoryBatch, logp_prox, old_values, config: LearnerConfig):
+  """(whitened advantages, value targets, metrics): the preset's advantage channel on one batch."""
+  estimator = config.estimator
+  advantages, returns = estimators.coupled_advantages(
+      batch.rewards, old_values, logp_prox, batch.behavior_logprobs, batch.mask,
+      **estimator.estimator_kwargs())
+  if estimator.group_method:            # one outcome advantage per sequence, on its policy tokens
+    per_sequence_b = estimators.group_advantages(batch.rewards.sum(axis=1), batch.group_ids[:, 0],
+                                                 method=estimator.group_method)
+    advantages = jnp.where(batch.mask, per_sequence_b[:, None], 0.0)
+  ratio_bt = jnp.exp(jnp.where(batch.mask, logp_prox - batch.behavior_logprobs, 0.0))
+  kept_bt = batch.mask & (losses.behavior_weights(ratio_bt, config.actor) != 0)
+  metrics = _masked_summary(advantages, batch.mask, "advantage_raw")
+  advantages = estimators.whiten(advantages, kept_bt, mode=estimator.whiten,
+                                 carried_ratio=jnp.clip(ratio_bt, *estimator.rho_clip),
+                                 min_std=estimator.whiten_min_std)
+  log_ratio_bt = jnp.where(batch.mask, logp_prox - batch.behavior_logprobs, 0.0)
+  finite_bt = batch.mask & jnp.isfinite(log_ratio_bt)
+  metrics.update({
+      "returns_mean": losses.aggregate(returns, batch.mask, "token_mean"),
+      # KL(μ‖π_prox) on μ's samples, k3: x − 1 − log x with x = π_prox/μ.
+      "kl_behavior_prox": losses.aggregate(jnp.where(finite_bt, ratio_bt - 1.0 - log_ratio_bt, 0.0),
+                                           finite_bt, "token_mean"),
+      "ratio_batch_min": jnp.where(finite_bt, ratio_bt, jnp.inf).min(),
+      "ratio_batch_max": jnp.where(finite_bt, ratio_bt, -jnp.inf).max(),
+      "ratio_batch_p99": jnp.nanpercentile(jnp.where(finite_bt, ratio_bt, jnp.nan), 99.0),
+  })
+  return advantages, returns, metrics
+
+
+def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, reference=None,
+                update_actor: bool = True):
   """One update. The `epochs` × `num_minibatches` actor and critic updates are one `lax.scan` over
   minibatch index sets, so the compiled program does not grow with either. `reference`: the frozen
-  policy of the KL term (`config.actor.kl_coef > 0`); its log-probs come in the same pass as π_prox."""
+  policy of the KL term (`config.actor.kl_coef > 0`); its log-probs come in the same pass as π_prox.
+  `update_actor = False`: the critic alone learns (the critic warm-up)."""
   actor, critic, actor_opt, critic_opt = models
+  update_critic = not config.estimator.group_method
   logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
   logp_prox, entropy_prox = token_logprobs_and_entropy(logits, batch.tokens, config.sampling)
   old_values = state_values(critic, batch)
   logp_prox, old_values = jax.lax.stop_gradient((logp_prox, old_values))
-  advantages, returns = estimators.coupled_advantages(
-      batch.rewards, old_values, logp_prox, batch.behavior_logprobs, batch.mask,
-      **config.estimator.estimator_kwargs())
-  if config.estimator.whiten_advantages:
-    advantages = estimators.whiten(advantages, batch.mask)
+  advantages, returns, batch_metrics = advantages_and_returns(batch, logp_prox, old_values, config)
   extra = dict(logp_prox=logp_prox, old_values=old_values, advantages=advantages, returns=returns)
   if reference is not None:
     ref_logits = reference(batch.tokens, attention_mask_bt=batch.attention_mask)
@@ -147,12 +195,17 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, refe
   def update(state, rows):
     actor, critic, actor_opt, critic_opt = nnx.merge(graphdef, state)
     mb, mb_extra = _take(batch, extra, rows)
-    (_, actor_diag), actor_grads = nnx.value_and_grad(actor_loss_fn, has_aux=True)(actor, mb, mb_extra)
-    (_, value_diag), critic_grads = nnx.value_and_grad(critic_loss_fn, has_aux=True)(critic, mb, mb_extra)
-    actor_opt.update(actor, actor_grads)
-    critic_opt.update(critic, critic_grads)
-    diagnostics = {**actor_diag, **value_diag, "actor_grad_norm": _global_norm(actor_grads),
-                   "critic_grad_norm": _global_norm(critic_grads)}
+    diagnostics = {}
+    if update_actor:
+      (_, actor_diag), actor_grads = nnx.value_and_grad(actor_loss_fn, has_aux=True)(actor, mb, mb_extra)
+      actor_opt.update(actor, actor_grads)
+      diagnostics.update(actor_diag, actor_grad_norm=_global_norm(actor_grads))
+    if update_critic:
+      (_, value_diag), critic_grads = nnx.value_and_grad(critic_loss_fn, has_aux=True)(critic, mb, mb_extra)
+      critic_opt.update(critic, critic_grads)
+    else:                               # group presets: the critic is only measured
+      value_diag, critic_grads = critic_loss_fn(critic, mb, mb_extra)[1], []
+    diagnostics.update(value_diag, critic_grad_norm=_global_norm(critic_grads))
     return nnx.state((actor, critic, actor_opt, critic_opt)), diagnostics
 
   state, history = jax.lax.scan(update, state, minibatch_rows)
@@ -162,7 +215,7 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, refe
   metrics["actor_param_norm"] = _global_norm(actor_params)
   metrics["actor_update_norm"] = _global_norm(
       [after - before for after, before in zip(actor_params, actor_params_before, strict=True)])
-  metrics["returns_mean"] = losses.aggregate(returns, batch.mask, "token_mean")
+  metrics.update(batch_metrics)
   # Entropy of π_prox (the weights before this update) on the batch's policy tokens: a collapse sign.
   metrics["entropy"] = losses.aggregate(entropy_prox, batch.mask, "token_mean")
   if reference is not None:       # KL(π_prox ‖ π_ref), k3 estimator, on the policy tokens
@@ -193,7 +246,7 @@ class Learner:
     if mesh is None:     # committed to one device like the step's outputs (step 2 reuses step 1's
       # compile), and copied: the step donates the state, which must not delete the caller's arrays
       self.state, self.reference = jax.device_put((state, reference), jax.devices()[0], may_alias=False)
-      self._step = jax.jit(self._functional_step, donate_argnums=(0,))
+      self._step = jax.jit(self._functional_step, donate_argnums=(0,), static_argnums=(4,))
     else:
       state_shardings = sharding.state_shardings(state, mesh, rules)
       reference_shardings = None if reference is None else sharding.state_shardings(reference, mesh, rules)
@@ -203,12 +256,12 @@ class Learner:
       self._step = jax.jit(
           self._functional_step, donate_argnums=(0,),
           in_shardings=(state_shardings, self._batch_sharding, sharding.replicated(mesh), reference_shardings),
-          out_shardings=(state_shardings, sharding.replicated(mesh)))
+          out_shardings=(state_shardings, sharding.replicated(mesh)), static_argnums=(4,))
 
-  def _functional_step(self, state, batch, rng, reference_state=None):
+  def _functional_step(self, state, batch, rng, reference_state=None, update_actor=True):
     models = nnx.merge(self.graphdef, state)
     reference = None if reference_state is None else nnx.merge(self._reference_graphdef, reference_state)
-    metrics = _train_step(models, batch, rng, self.config, reference)
+    metrics = _train_step(models, batch, rng, self.config, reference, update_actor=update_actor)
     return nnx.state(models), metrics
 
   @property
@@ -219,7 +272,12 @@ class Learner:
   def critic(self):
     return nnx.merge(self.graphdef, self.state)[1]
 
-  def train_step(self, batch: TrajectoryBatch, *, process_local: bool = False) -> dict:
+  def critic_step(self, batch: TrajectoryBatch, *, process_local: bool = False) -> dict:
+    """One update of the critic alone on `batch` (the actor and its optimizer stay as they are)."""
+    return self.train_step(batch, process_local=process_local, update_actor=False)
+
+  def train_step(self, batch: TrajectoryBatch, *, process_local: bool = False, update_actor: bool = True
+                 ) -> dict:
     """One update on `batch`: the global batch, or with `process_local` this process's rows of it."""
     rows = batch.tokens.shape[0] * (jax.process_count() if process_local else 1)
     if rows % self.config.num_minibatches:
@@ -231,5 +289,5 @@ class Learner:
     elif self.mesh is not None:
       batch = jax.device_put(batch, self._batch_sharding)
     self.rng, step_rng = jax.random.split(self.rng)
-    self.state, metrics = self._step(self.state, batch, step_rng, self.reference)
+    self.state, metrics = self._step(self.state, batch, step_rng, self.reference, update_actor)
     return metrics

@@ -145,7 +145,8 @@ class EpisodeRunner:
     c = self.config
     sampling = dict(temperature=1.0, top_p=1.0, top_k=1) if greedy else dict(
         temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
-    seed = request_seed(self.seed, record.get("draw"), record["question"])
+    seed = request_seed(self.seed, record.get("draw"), record["question"], *(
+        (record["sample"],) if record.get("sample") else ()))        # the j-th sample of a group
     trajectory = run_episode(self.generate, self.prompt_ids(record), tool=self._tool,
                              tool_call_end=self.tool_call_end, max_turns=c.max_turns,
                              max_tokens_per_turn=c.max_tokens_per_turn,
@@ -176,29 +177,54 @@ def collect(runner: EpisodeRunner, records: list[dict], workers: int, *, greedy:
     return list(executor.map(lambda r: runner.run(r, greedy=greedy), records))
 
 
+def group_id(record: dict, process_index: int = 0) -> int:
+  """The group of a training record: its prompt draw (the `group_size` samples of a prompt share it),
+  made distinct across learner processes."""
+  return (record.get("draw", 0) * 4096 + process_index) % 2 ** 31
+
+
 class PromptSource:
   """Records from the data iterator, after any re-queued ones; thread-safe and checkpointable.
 
   Each record handed out carries `draw`, its position in this process's prompt
   stream (the same prompt in a later epoch gets a new one): the key of its episode's sampling.
+  With `group_size` n > 1 every prompt is handed out n times in a row, as a group (`next_group`),
+  the copies numbered by `sample` (0 … n − 1), each sampled with its own seed.
   """
 
-  def __init__(self, iterator, requeued: list[dict] | None = None, draws: int = 0):
+  def __init__(self, iterator, requeued: list[dict] | None = None, draws: int = 0, *, group_size: int = 1):
     self._iterator = iterator
     self._requeued = list(requeued or [])
     self._draws = draws
+    self.group_size = group_size
     self._lock = threading.Lock()
+
+  def _next_draw(self) -> list[dict]:
+    record = dict(next(self._iterator), draw=self._draws)
+    self._draws += 1
+    if self.group_size == 1:
+      return [record]
+    return [dict(record, sample=j) for j in range(self.group_size)]
 
   def next(self) -> dict:
     with self._lock:
-      if self._requeued:
-        return self._requeued.pop(0)
-      record = dict(next(self._iterator), draw=self._draws)
-      self._draws += 1
-      return record
+      if not self._requeued:
+        self._requeued = self._next_draw()
+      return self._requeued.pop(0)
+
+  def next_group(self) -> list[dict]:
+    """The `group_size` records of one prompt (re-queued ones first: they were saved as whole groups)."""
+    with self._lock:
+      if len(self._requeued) < self.group_size:
+        self._requeued += self._next_draw()
+      group, self._requeued = self._requeued[:self.group_size], self._requeued[self.group_size:]
+      return group
 
   def take(self, n: int) -> list[dict]:
-    return [self.next() for _ in range(n)]
+    """`n` records: whole groups (n must be a multiple of `group_size`)."""
+    if n % self.group_size:
+      raise ValueError(f"take({n}): not a whole number of groups of {self.group_size}")
+    return [record for _ in range(n // self.group_size) for record in self.next_group()]
 
   def state(self, in_flight: list[dict] = ()) -> dict:
     """The iterator position and the records to run first on resume (`in_flight` ones included)."""
@@ -207,8 +233,24 @@ class PromptSource:
               "draws": self._draws}
 
 
+def units_to_json(items) -> list:
+  """Buffered (unit, oldest version) pairs → JSON: each unit a list of episodes."""
+  return [([e.to_json() for e in unit], oldest) for unit, oldest in items]
+
+
+def units_from_json(payload) -> list:
+  """The inverse of `units_to_json`; a checkpoint of an earlier release holds single episodes."""
+  return [([Episode.from_json(e) for e in (unit if isinstance(unit, list) else [unit])], oldest)
+          for unit, oldest in payload]
+
+
 class AsyncCollector:
-  """Worker threads that keep episodes running under admission control, into a `TrajectoryBuffer`."""
+  """Worker threads that keep episodes running under admission control, into a `TrajectoryBuffer`.
+
+  The unit of admission, buffering and staleness is a group (`prompts.group_size` episodes of one
+  prompt, run by one worker; a single episode when the size is 1): a batch holds whole groups, and a
+  group too stale is dropped whole. The buffer holds lists of episodes.
+  """
 
   def __init__(self, runner: EpisodeRunner, prompts: PromptSource, admission: AdmissionControl,
                buffer: TrajectoryBuffer, *, workers: int, weights_version):
@@ -232,13 +274,13 @@ class AsyncCollector:
     try:
       while self.admission.wait_to_start(self.weights_version, self._stop):
         with self._lock:
-          episode_id, self._next_id = self._next_id, self._next_id + 1
-          record = self.prompts.next()
-          self._in_flight[episode_id] = record
-        episode = self.runner.run(record)
+          unit_id, self._next_id = self._next_id, self._next_id + 1
+          records = self.prompts.next_group()
+          self._in_flight[unit_id] = records
+        episodes = [self.runner.run(record) for record in records]
         with self._lock:
-          self.buffer.put(episode, episode.oldest_version)
-          del self._in_flight[episode_id]
+          self.buffer.put(episodes, min(e.oldest_version for e in episodes))
+          del self._in_flight[unit_id]
     except BaseException as err:  # noqa: BLE001 - handed to the trainer through the buffer
       if not self._stop.is_set():
         self.error = self.error or err
@@ -246,7 +288,8 @@ class AsyncCollector:
         self.request_stop()
 
   def take(self, n: int, learner_version: int):
-    """(episodes, staleness) of `n` buffered episodes; raises a worker's error instead of waiting."""
+    """(units, staleness) of `n` buffered units (lists of episodes); raises a worker's error instead
+    of waiting."""
     dropped_before = self.buffer.dropped
     try:
       return self.buffer.take(n, learner_version)
@@ -256,8 +299,8 @@ class AsyncCollector:
   def state(self) -> dict:
     """Checkpointable: data position (in-flight prompts re-queued) and the buffered episodes."""
     with self._lock:
-      return {"data": self.prompts.state(list(self._in_flight.values())),
-              "buffer": [(episode.to_json(), oldest) for episode, oldest in self.buffer.items()]}
+      in_flight = [record for records in self._in_flight.values() for record in records]
+      return {"data": self.prompts.state(in_flight), "buffer": units_to_json(self.buffer.items())}
 
   def request_stop(self) -> None:
     """Workers start no new episode; those in flight end when the pool closes."""

@@ -57,6 +57,19 @@ from copc_jax.train.weights import WeightStore
 MODES = ("sync", "async", "lag")
 STEP_PHASES = ("rollout_wait_s", "train_s", "weight_sync_s")    # they add up to step_time_s
 MUST_BE_FINITE = ("actor_loss", "value_loss", "grad_norm", "critic_grad_norm")
+# Row name → the learner's metric (what moves before a failure is kept in every row).
+ROW_METRICS = {
+    "mask_fraction": "masked_fraction", "clip_fraction": "clip_fraction", "ess": "ess",
+    "value_loss": "value_loss", "value_explained_variance": "value_explained_variance",
+    "grad_norm": "actor_grad_norm", "critic_grad_norm": "critic_grad_norm", "actor_loss": "actor_loss",
+    "ratio_mean": "ratio_mean", "ratio_max": "ratio_batch_max", "ratio_min": "ratio_batch_min",
+    "ratio_p99": "ratio_batch_p99", "advantage_std": "advantage_std",
+    "advantage_raw_mean": "advantage_raw_mean", "advantage_raw_std": "advantage_raw_std",
+    "advantage_raw_min": "advantage_raw_min", "advantage_raw_max": "advantage_raw_max",
+    "returns_mean": "returns_mean", "kl_behavior": "kl_behavior_prox", "kl_behavior_theta": "kl_behavior",
+    "entropy": "entropy", "nonfinite_count": "nonfinite_count", "kl_ref": "kl_ref",
+    "actor_update_norm": "actor_update_norm",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +94,9 @@ class TrainerConfig:
   eval_every: int = 20           # 0: evaluate only before and after training
   checkpoint_every: int = 10
   epochs: int = 1
-  num_minibatches: int = 1
+  num_minibatches: int = 4        # updates per batch: the PPO clip binds from the second one on
+  critic_warmup_steps: int = 10   # value-only updates on the start policy's rollouts before the actor moves
+  group_size: int = 1             # samples per prompt (the group presets' baseline needs >= 2)
   actor_learning_rate: float = 1e-4
   critic_learning_rate: float = 1e-3
   max_grad_norm: float = 1.0
@@ -93,16 +108,20 @@ class TrainerConfig:
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
-    for name in ("steps", "batch_size", "sync_every", "checkpoint_every", "epochs", "num_minibatches"):
+    for name in ("steps", "batch_size", "sync_every", "checkpoint_every", "epochs", "num_minibatches",
+                 "group_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-    for name in ("max_staleness", "lag", "eval_every", "warmup_steps"):
+    for name in ("max_staleness", "lag", "eval_every", "warmup_steps", "critic_warmup_steps"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
     if self.mode == "async" and self.max_staleness < self.sync_every - 1:
       raise ValueError(f"max_staleness ({self.max_staleness}) must be >= sync_every - 1 "
                        f"({self.sync_every - 1}): weights pushed every {self.sync_every} updates are that "
                        f"stale")
+    if self.batch_size % self.group_size:
+      raise ValueError(f"batch_size ({self.batch_size}) must be divisible by group_size ({self.group_size}): "
+                       f"a batch holds whole groups")
     if self.batch_size % self.num_minibatches:
       raise ValueError(f"batch_size ({self.batch_size}) must be divisible by num_minibatches "
                        f"({self.num_minibatches})")
@@ -343,6 +362,8 @@ class Trainer:
     c, row = self.cfg, None
     try:
       self._first_evaluation(evaluator, logger)
+      if "critic_warmup" not in self.record:
+        self._warm_up_critic(source, logger)
       source.start(self.step)
       while self.step < c.steps:
         with self.timer("rollout_wait_s"):
@@ -374,13 +395,35 @@ class Trainer:
       source.request_stop()
       if row is not None:            # the update happened: its row goes with the state saved below
         logger.write(row)
-      buffered = len(self._save_on_error(source)["buffer"])
+      buffered = sum(len(unit) for unit, _ in self._save_on_error(source)["buffer"])
       if isinstance(err, KeyboardInterrupt):
         raise
       raise TrainingError(
           f"training stopped at step {self.step}: {type(err).__name__}: {err}\nSaved: the learner state at "
           f"step {self.step} and {buffered} buffered episodes in {self.checkpointer.directory}. "
           f"{_advice(err)} Then rerun the same command to resume.") from err
+
+  def _warm_up_critic(self, source, logger) -> None:
+    """`critic_warmup_steps` value-only updates on fresh rollouts of the start policy (version 0),
+    then a checkpoint at step 0: the actor moves only once the critic knows its returns (as verl's
+    `critic_warmup`). Group presets have no critic to warm up. The last row reports explained variance."""
+    steps = 0 if self.config.estimator.group_method else self.cfg.critic_warmup_steps
+    metrics = {}
+    for i in range(steps):
+      with self.timer("weight_sync_s"):
+        source.weights.push(0, self.learner.actor)
+      episodes = rollouts.collect(source.runner, source.prompts.take(self.local_batch_size), source.workers)
+      batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length)
+      metrics = jax.device_get(self.learner.critic_step(batch, process_local=True))
+      logger.write({"step": 0, "critic_warmup_step": i + 1, "value_loss": metrics["value_loss"],
+                    "value_explained_variance": metrics["value_explained_variance"],
+                    "returns_mean": metrics["returns_mean"], **self.timer.lap()})
+    self.record["critic_warmup"] = {"steps": steps, **{k: float(metrics[k]) for k in (
+        "value_loss", "value_explained_variance") if k in metrics}}
+    if steps:
+      logger.note(f"critic warm-up: {steps} value-only updates, explained variance "
+                  f"{self.record['critic_warmup']['value_explained_variance']:.3f}")
+    self._checkpoint(source)        # step 0: a run killed from here on resumes with the same command
 
   def _prompts(self, runner, saved: dict) -> rollouts.PromptSource:
     train = [r for r in self.task.train if runner.fits(r)]
@@ -389,7 +432,8 @@ class Trainer:
                           f"({self.config.rollout.max_prefill_length}); raise it")
     iterator = data.PromptIterator(train, seed=self.config.seed, shard_index=jax.process_index(),
                                    shard_count=self.processes, state=saved.get("iterator"))
-    return rollouts.PromptSource(iterator, saved.get("requeued"), saved.get("draws", 0))
+    return rollouts.PromptSource(iterator, saved.get("requeued"), saved.get("draws", 0),
+                                 group_size=self.cfg.group_size)
 
   def _evaluation_due(self) -> bool:
     return bool(self.cfg.eval_every and self.step % self.cfg.eval_every == 0) or self.step == self.cfg.steps
@@ -412,15 +456,18 @@ class Trainer:
 
   def _train_on(self, episodes: list[rollouts.Episode]) -> dict:
     """One update on this process's episodes (its rows of the global batch); the row of metrics."""
-    batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length)
+    batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length,
+                     group_ids=[rollouts.group_id(e.record, jax.process_index()) for e in episodes])
     metrics = jax.device_get(self.learner.train_step(batch, process_local=True))
     staleness = np.asarray(batch.staleness(self.step))[batch.mask]
+    versions = np.asarray(batch.versions)[batch.mask]
     lengths = [sum(e.trajectory.mask) for e in episodes]       # tokens the policy wrote, per episode
     totals = multihost.sum_over_processes([
         len(episodes), sum(e.trajectory.reward for e in episodes), sum(e.correct for e in episodes),
         sum(lengths), sum(e.trajectory.num_turns for e in episodes),
         staleness.sum(), staleness.size])
     n, reward, correct, length, turns, stale_sum, stale_count = totals
+    newest_version = int(multihost.max_over_processes(float(versions.max()) if versions.size else 0.0))
     self.step += 1
     return {
         "step": self.step, "weights_version": self.step,
@@ -429,14 +476,9 @@ class Trainer:
         "turns_mean": turns / n,
         "staleness_mean": stale_sum / max(stale_count, 1),
         "staleness_max": int(multihost.max_over_processes(float(staleness.max()) if staleness.size else 0.0)),
-        "mask_fraction": metrics["masked_fraction"], "clip_fraction": metrics["clip_fraction"],
-        "ess": metrics["ess"], "value_loss": metrics["value_loss"], "grad_norm": metrics["actor_grad_norm"],
-        "critic_grad_norm": metrics["critic_grad_norm"], "actor_loss": metrics["actor_loss"],
-        "ratio_mean": metrics["ratio_mean"], "ratio_max": metrics["ratio_max"],
-        "ratio_min": metrics["ratio_min"], "advantage_std": metrics["advantage_std"],
-        "value_explained_variance": metrics["value_explained_variance"], "entropy": metrics["entropy"],
-        "nonfinite_count": metrics["nonfinite_count"],
-        **({"kl_ref": metrics["kl_ref"]} if "kl_ref" in metrics else {}),
+        # lag mode's first k updates train on data of version 0 only (the start policy's)
+        "data_version_max": newest_version, "inside_first_lag": self.cfg.mode == "lag" and newest_version == 0,
+        **{name: metrics[key] for name, key in ROW_METRICS.items() if key in metrics},
     }
 
   # --- saving -------------------------------------------------------------------------
