@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 from scripted_pool import ScriptedPool
 
@@ -19,7 +20,7 @@ def make_config(preset="copc", **sections):
   raw.rollout.update(dict(max_tokens_per_turn=8, max_turns=2, max_prefill_length=64, max_length=96,
                           num_servers=1, max_in_flight=4))
   raw.trainer.update(dict(steps=4, batch_size=8, checkpoint_every=2, eval_every=2, progress_bar=False,
-                          actor_learning_rate=1e-3))
+                          actor_learning_rate=1e-3, critic_warmup_steps=0, num_minibatches=1))
   for section, values in sections.items():
     raw[section].update(values)
   return config_lib.from_config_dict(raw)
@@ -84,10 +85,63 @@ DISTINCT_PRESETS = presets.DISTINCT
 @pytest.mark.parametrize("mode", ["sync", "async", "lag"])
 @pytest.mark.parametrize("preset", DISTINCT_PRESETS)
 def test_every_preset_runs_in_every_mode(tmp_path, preset, mode):
+  if preset == "sync_ppo" and mode != "sync":
+    with pytest.raises(ValueError, match="preset 'sync_ppo' is defined by staleness 0 and runs only in mode"):
+      make_config(preset, trainer=dict(mode=mode))
+    return
   config = make_config(preset, trainer=dict(mode=mode, lag=1, steps=2, eval_every=0, checkpoint_every=2))
   _, _, rows = train(config, tmp_path)
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert all(r["value_loss"] is not None and r["grad_norm"] is not None for r in rows[1:])
+  for key in ("advantage_raw_mean", "advantage_raw_std", "advantage_raw_min", "advantage_raw_max",
+              "returns_mean", "value_explained_variance", "kl_behavior", "ratio_p99", "ratio_min",
+              "ratio_max", "entropy", "clip_fraction", "mask_fraction", "inside_first_lag"):
+    assert all(key in r for r in rows[1:]), key
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "lag"])
+def test_group_presets_train_on_whole_groups(tmp_path, mode, monkeypatch):
+  """grpo with 4 samples per prompt: every batch holds whole groups of one prompt each, and the
+  advantages the learner used are the group-normalised rewards (mean 0 within a group)."""
+  from copc_jax.train.learner import Learner
+  seen = []
+  real_step = Learner.train_step
+
+  def recording(self, batch, **kwargs):
+    seen.append((np.asarray(batch.group_ids)[:, 0], np.asarray(batch.tokens)))
+    return real_step(self, batch, **kwargs)
+
+  monkeypatch.setattr(Learner, "train_step", recording)
+  config = make_config("grpo", trainer=dict(mode=mode, lag=1, steps=3, eval_every=0, checkpoint_every=3))
+  assert config.trainer.group_size == 4 and config.estimator.group_method == "grpo"
+  _, _, rows = train(config, tmp_path)
+  assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]
+  for groups, tokens in seen:
+    ids, counts = np.unique(groups, return_counts=True)
+    assert len(ids) == 2 and (counts == 4).all()                  # batch 8 = 2 prompts × 4 samples
+    for g in ids:                                                 # the samples of a group share the prompt
+      prompts = tokens[groups == g][:, :4]
+      assert (prompts == prompts[0]).all()
+
+
+def test_group_presets_refuse_groups_of_one():
+  with pytest.raises(ValueError, match="config.trainer.group_size: preset 'rloo' compares the samples"):
+    make_config("rloo", trainer=dict(group_size=1))
+
+
+def test_critic_warm_up_moves_only_the_critic_then_checkpoints_step_zero(tmp_path):
+  """critic_warmup_steps value-only updates on the start policy's rollouts: the actor is the warm start's
+  at update 1 (its rows are at version 0), each warm-up row reports explained variance, and a
+  checkpoint at step 0 holds the warmed-up critic."""
+  config = make_config(trainer=dict(mode="sync", steps=1, eval_every=0, critic_warmup_steps=3))
+  _, (pool,), rows = train(config, tmp_path)
+  warmup = [r for r in rows if "critic_warmup_step" in r]
+  assert [r["critic_warmup_step"] for r in warmup] == [1, 2, 3]
+  assert all(r["step"] == 0 and r["value_explained_variance"] is not None for r in warmup)
+  assert pool.pushes == [0, 1]                                     # version 0 served through the warm-up
+  assert (tmp_path / "checkpoints" / "0").is_dir()
+  record = json.loads((tmp_path / "checkpoints" / "1" / "record" / "metadata").read_text())
+  assert record["critic_warmup"]["steps"] == 3 and "value_explained_variance" in record["critic_warmup"]
 
 
 def test_a_kl_term_to_the_reference_trains_and_resumes(tmp_path):
