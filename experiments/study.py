@@ -173,7 +173,8 @@ def summarise(workdir: str, target: float) -> dict:
   updates = metrics.update_rows(rows)
   steps, accuracy = np.array([s for s, _ in curve], float), np.array([a for _, a in curve], float)
   reached = [s for s, a in curve if a >= target]
-  mean_of = lambda key: float(np.mean([r[key] for r in updates if r.get(key) is not None]))
+  mean_of = lambda key: float(np.mean([r[key] for r in updates if r.get(key) is not None] or [np.nan]))
+  warmup = [r for r in rows if "critic_warmup_step" in r]
   return {
       "eval_curve": curve,
       "final_eval_accuracy": float(accuracy[-1]),
@@ -184,18 +185,36 @@ def summarise(workdir: str, target: float) -> dict:
       "mask_fraction_mean": mean_of("mask_fraction"), "ess_mean": mean_of("ess"),
       "staleness_mean": mean_of("staleness_mean"), "reward_last_10": float(np.mean(
           [r["reward_mean"] for r in updates[-10:]])),
-      "series": {key: [r.get(key) for r in updates] for key in ("reward_mean", "mask_fraction", "ess",
-                                                               "grad_norm", "staleness_mean", "entropy")},
+      "critic_warmup_explained_variance": warmup[-1]["value_explained_variance"] if warmup else None,
+      "series": {key: [r.get(key) for r in updates] for key in SERIES_KEYS},
   }
 
 
+# What the rows keep of each update, for the studies (what moves before a failure included).
+SERIES_KEYS = ("reward_mean", "mask_fraction", "ess", "grad_norm", "staleness_mean", "entropy",
+               "advantage_raw_mean", "advantage_raw_std", "advantage_raw_min", "advantage_raw_max",
+               "returns_mean", "value_loss", "value_explained_variance", "clip_fraction", "kl_behavior",
+               "ratio_min", "ratio_max", "ratio_p99", "actor_update_norm", "inside_first_lag")
+
+
 def spread(values) -> dict | None:
-  """Mean, std, min, max and count of `values` (None if there are none)."""
+  """Mean, sample std (n − 1), the half-width of the 95% t interval of the mean, min, max and count of
+  `values` (None if there are none; std and interval None for a single value)."""
+  from scipy import stats
   values = np.asarray(values, float)
   if not values.size:
     return None
-  return {"mean": float(values.mean()), "std": float(values.std()), "min": float(values.min()),
-          "max": float(values.max()), "n": int(values.size)}
+  n = int(values.size)
+  std = float(values.std(ddof=1)) if n > 1 else None
+  half = float(stats.t.ppf(0.975, n - 1) * std / np.sqrt(n)) if n > 1 else None
+  return {"mean": float(values.mean()), "std": std, "ci95": half, "min": float(values.min()),
+          "max": float(values.max()), "n": n}
+
+
+def fisher_collapses(collapsed_a: int, n_a: int, collapsed_b: int, n_b: int) -> float:
+  """Two-sided Fisher exact test p-value of two collapse counts (collapsed of n seeds)."""
+  from scipy import stats
+  return float(stats.fisher_exact([[collapsed_a, n_a - collapsed_a], [collapsed_b, n_b - collapsed_b]])[1])
 
 
 def aggregate(per_seed: dict[int, dict]) -> dict:
@@ -299,18 +318,19 @@ def write_json(path: str, value) -> None:
 # --- rendering: tables and figures from the JSON, never typed by hand -----------------------------------
 
 def _fmt(stat, digits=3) -> str:
+  """mean ± half-width of the 95% interval over seeds (mean alone for one seed)."""
   if stat is None:
     return "–"
-  return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+  if stat.get("ci95") is None:
+    return f"{stat['mean']:.{digits}f}"
+  return f"{stat['mean']:.{digits}f} ± {stat['ci95']:.{digits}f}"
 
 
 def paired_difference(results: dict, name: str, reference: str, key: str = "final_eval_accuracy"):
-  """Mean ± std over the seeds both cells ran of (cell − reference): seeds differ far more than methods."""
+  """`spread` over the seeds both cells ran of (cell − reference): seeds differ far more than methods,
+  and every cell of a seed starts from that seed's warm start."""
   runs, ref = results["cells"][name]["runs"], results["cells"][reference]["runs"]
-  values = np.array([runs[s][key] - ref[s][key] for s in runs if s in ref], float)
-  if not values.size:
-    return None
-  return {"mean": float(values.mean()), "std": float(values.std()), "n": int(values.size)}
+  return spread([runs[s][key] - ref[s][key] for s in runs if s in ref])
 
 
 INF = float("inf")

@@ -338,7 +338,8 @@ def test_group_advantages_match_a_literal_reading(method):
   groups = np.array([7, 3, 7, 3, 3, 9, 7, 3, 11, 11])       # unsorted ids, a group of one (9)
   rewards = rng.integers(0, 2, size=10).astype(np.float32) + 0.1 * rng.normal(size=10).astype(np.float32)
   got = estimators.group_advantages(rewards, groups, method=method)
-  np.testing.assert_allclose(got, _literal_group_advantages(rewards, groups, method, 1e-6), rtol=1e-5, atol=1e-5)
+  expected = _literal_group_advantages(rewards, groups, method, 1e-6)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_grpo_matches_tunix_formula():
