@@ -197,7 +197,8 @@ def test_bad_loss_config_names_the_field(kw, field):
 # --- the anchors: which ratio decides the PPO indicator, which ratio the mask is taken on ----------
 
 def _loss_and_grad(b, config):
-  loss = lambda lp: losses.actor_loss(lp, b["logp_prox"], b["logp_behavior"], b["advantages"], b["mask"], config)[0]
+  loss = lambda lp: losses.actor_loss(lp, b["logp_prox"], b["logp_behavior"], b["advantages"], b["mask"],
+                                      config)[0]
   return jax.value_and_grad(loss)(b["logp_theta"])
 
 
