@@ -93,3 +93,22 @@ def test_claim_locks_refuses_history_and_moves_it_aside_on_a_fresh_start(tmp_pat
   assert sorted(os.listdir(moved)) == ["checkpoints", "metrics.jsonl", "tb"]
   with open(os.path.join(moved, "metrics.jsonl")) as f:
     assert f.read() == '{"step": 1}\n'
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over_with_its_rows_kept(tmp_path):
+  """Only step-0 rows (the evaluation before RL, critic warm-up) and no checkpoint: the same command
+  moves them aside, says where, and starts; no row is deleted."""
+  path = str(tmp_path / "run")
+  os.makedirs(os.path.join(path, "tb"))
+  open(os.path.join(path, "tb", "events"), "w").close()
+  rows = [{"step": 0, "eval_accuracy": 0.3}, {"step": 0, "critic_warmup_step": 1, "value_loss": 0.2}]
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 0, "critic_warm')   # cut by the kill
+  workdir.check(path)                                   # the command line's early check lets it through
+  said = []
+  with workdir.claim(path, log=said.append):
+    assert not os.path.exists(os.path.join(path, "metrics.jsonl"))
+  moved = said[0].rsplit(" ", 1)[1]
+  assert "stopped before its first checkpoint" in said[0]
+  with open(os.path.join(moved, "metrics.jsonl")) as f:
+    assert [json.loads(line) for line in f.read().splitlines()[:2]] == rows

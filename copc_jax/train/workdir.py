@@ -6,11 +6,14 @@
 - **Lock.** `claim` takes an exclusive `flock` on `PATH/.lock` (per learner process), writing its PID
   there; a second run on the same directory exits at once, naming the first one's PID. The kernel
   drops the lock when the process dies, however it dies.
-- **History.** A directory holding a previous run's metrics or TensorBoard logs but no checkpoint to
-  resume them from would be silently overwritten by a fresh start; `claim` refuses. `fresh_start`
-  starts over in any case, after moving the earlier run's files (checkpoints included) into
-  `PATH/previous_<UTC time>/`. The cached base model
-  and warm start are kept: they are the same for every run of the config.
+- **History.** A run checkpoints step 0 before its first update (after the evaluation before RL and
+  the critic warm-up), so a killed run resumes with the same command from then on. One killed before
+  that checkpoint left only rows of step 0: `claim` moves them into `PATH/previous_<UTC time>/` (no row
+  is deleted) and the same command starts over. A directory holding update rows but no checkpoint
+  (someone deleted it) would be silently overwritten by a fresh start; `claim` refuses.
+  `fresh_start` starts over in any case, after moving the earlier run's files (checkpoints included)
+  into `PATH/previous_<UTC time>/`. The cached base model and warm start are kept: they are the same
+  for every run of the config.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import datetime
 import fcntl
 import glob
+import json
 import os
 import shutil
 
@@ -44,6 +48,23 @@ def previous_history(path: str) -> list[str]:
   if glob.glob(os.path.join(path, "tb", "*")):
     found.append("tb/")
   return found
+
+
+def killed_before_first_checkpoint(path: str) -> bool:
+  """History without a checkpoint whose rows are all of step 0 (evaluation before RL, critic warm-up):
+  a run killed before its step-0 checkpoint, which starting over loses nothing of."""
+  if not previous_history(path):
+    return False
+  rows = []
+  metrics = os.path.join(path, "metrics.jsonl")
+  if os.path.exists(metrics):
+    with open(metrics) as f:
+      for line in f:
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError:
+          break                   # a line cut short by the kill
+  return all(row.get("step", 0) == 0 for row in rows)
 
 
 def move_aside(path: str) -> str | None:
@@ -101,6 +122,10 @@ def claim(path: str, *, fresh_start: bool = False, process_index: int = 0, log=p
       moved = move_aside(path)
       if moved:
         log(f"fresh start: the previous run's files are now in {moved}")
+    elif process_index == 0 and killed_before_first_checkpoint(path):
+      moved = move_aside(path)
+      log(f"the previous run stopped before its first checkpoint: starting over; its step-0 rows are in "
+          f"{moved}")
     _refuse_history(path)
     yield path
 
@@ -110,5 +135,5 @@ def check(path: str, *, fresh_start: bool = False) -> None:
   if not os.path.exists(path):
     return
   with _locked(path, 0):                 # a path that is not a directory is refused here
-    if not fresh_start:
+    if not fresh_start and not killed_before_first_checkpoint(path):
       _refuse_history(path)
