@@ -37,6 +37,7 @@ from flax import nnx  # noqa: E402
 
 from copc_jax.models import hf_io, tiny  # noqa: E402
 from copc_jax.models.decoder import Decoder  # noqa: E402
+from copc_jax.rollout import auth
 from copc_jax.rollout.pool import RolloutPool  # noqa: E402
 from copc_jax.rollout.process import ServerProcess  # noqa: E402
 from copc_jax.train.rollouts import POOL_TRANSFER, TRANSFERS  # noqa: E402
@@ -45,11 +46,12 @@ from copc_jax.train.weights import WeightStore, shared_memory_directory  # noqa:
 LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "learner.json")
 
 
-def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, first_version: int) -> list:
+def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, first_version: int,
+                token: str | None = None) -> list:
   """Seconds of `rounds` pushes of new versions through the trainer's WeightStore (the first push of a
   pool is not timed: it resets the servers)."""
   times = []
-  with RolloutPool(addresses=addresses, weight_transfer=POOL_TRANSFER[transfer]) as pool:
+  with RolloutPool(addresses=addresses, weight_transfer=POOL_TRANSFER[transfer], token=token) as pool:
     store = WeightStore(os.path.join(directory, transfer), pool, transfer=transfer)
     for i in range(rounds + 1):
       start = time.perf_counter()
@@ -149,13 +151,14 @@ def main():
           + (" shm share of the step |" if step else ""))
     print("|---:|" + "---:|" * (len(TRANSFERS) + 1 + bool(step)))
     for n in args.servers:
-      servers = [ServerProcess(base, slots=2, max_prefill_length=16, max_length=32, seed=i, version=-1)
-                 for i in range(n)]
+      token = auth.new_token()
+      servers = [ServerProcess(base, slots=2, max_prefill_length=16, max_length=32, seed=i, version=-1,
+                               token=token) for i in range(n)]
       try:
         addresses = [s.wait_ready(600) for s in servers]
         medians, slowest = {}, {}
         for j, transfer in enumerate(TRANSFERS):
-          times = time_pushes(addresses, actor, tmp, transfer, args.rounds, j * (args.rounds + 1))
+          times = time_pushes(addresses, actor, tmp, transfer, args.rounds, j * (args.rounds + 1), token)
           medians[transfer], slowest[transfer] = statistics.median(times), max(times)
       finally:
         for s in servers:

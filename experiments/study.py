@@ -110,6 +110,8 @@ class SharedServers:
     self.checkpoint, self.rollout, self.log_dir = checkpoint, rollout, log_dir
     self.processes: list = [None] * (rollout.num_servers + 1)      # the last one evaluates
     self.starts = 0
+    from copc_jax.rollout import auth
+    self.token = auth.new_token()          # the cells get it in their environment ($COPC_AUTH_TOKEN)
 
   @staticmethod
   def settings(rollout) -> tuple:
@@ -135,7 +137,7 @@ class SharedServers:
       self.processes[i] = ServerProcess(self.checkpoint, slots=c.slots, max_prefill_length=c.max_prefill_length,
                                         max_length=c.max_length, seed=i, version=-1, platform=c.server_platform,
                                         tensor_parallelism=c.server_tensor_parallelism,
-                                        decode_steps=c.server_decode_steps,
+                                        decode_steps=c.server_decode_steps, token=self.token,
                                         log_path=os.path.join(self.log_dir, f"server_{i}.log"))
       self.starts += 1
     for i in dead:
@@ -151,7 +153,9 @@ class SharedServers:
         process.stop()
 
 
-def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: str | None) -> None:
+def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: str | None,
+             token: str | None = None) -> None:
+  """One cell × seed as its own process; `token`: the shared servers' (in its environment)."""
   command = [sys.executable, "-m", "copc_jax.main", f"--config={_config_path_and_arg(config, overrides)}",
              f"--workdir={workdir}", f"--config.seed={seed}", "--config.trainer.progress_bar=False",
              *_flags(overrides)]
@@ -162,7 +166,7 @@ def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: 
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "stdout.log"), "a") as log:
     subprocess.run(command, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT,
-                   env={**os.environ, "XLA_FLAGS": ""})
+                   env={**os.environ, "XLA_FLAGS": "", **({"COPC_AUTH_TOKEN": token} if token else {})})
 
 
 def summarise(workdir: str, target: float) -> dict:
@@ -255,12 +259,12 @@ def _run_on(servers: list[SharedServers] | None, config: str, overrides: dict, s
   shared = servers[0]
   shared.ensure_running()
   try:
-    run_cell(config, {**overrides, **shared.overrides()}, seed, workdir, warm_model)
+    run_cell(config, {**overrides, **shared.overrides()}, seed, workdir, warm_model, shared.token)
   except subprocess.CalledProcessError:
     if not shared.dead():
       raise
     shared.ensure_running()         # a server died under the cell: run it again (it resumes)
-    run_cell(config, {**overrides, **shared.overrides()}, seed, workdir, warm_model)
+    run_cell(config, {**overrides, **shared.overrides()}, seed, workdir, warm_model, shared.token)
 
 
 def trainer_base(config: str, overrides: dict, seed: int, root: str) -> str:

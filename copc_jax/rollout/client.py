@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-import grpc
-
+from copc_jax.rollout import auth
 from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE, Generation
 
 CHUNK_BYTES = 4 << 20
@@ -23,12 +22,17 @@ def collect(messages) -> Generation:
 
 
 class RolloutClient:
-  def __init__(self, address: str, timeout_s: float = 300.0):
+  def __init__(self, address: str, timeout_s: float = 300.0, *, token: str | None = None,
+               tls_root_certificates: str = ""):
+    """`token`: sent on every call (None: $COPC_AUTH_TOKEN, if set); `tls_root_certificates`: the
+    servers' CA (PEM file) for TLS."""
     self.address = address
     self.timeout_s = timeout_s
-    self._channel = grpc.insecure_channel(address, options=[
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    self._channel = auth.client_channel(
+        address, token if token is not None else auth.resolve_token(),
+        tls_root_certificates=tls_root_certificates,
+        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     encode, decode = (lambda m: json.dumps(m).encode()), (lambda b: json.loads(b.decode()))
     self._generate = self._channel.unary_stream(f"/{SERVICE}/Generate", encode, decode)
     self._update = self._channel.unary_unary(f"/{SERVICE}/UpdateWeights", encode, decode)

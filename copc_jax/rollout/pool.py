@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from copc_jax.models.hf_io import SAFETENSORS_SINGLE
+from copc_jax.rollout import auth
 from copc_jax.rollout.client import RolloutClient, collect
 from copc_jax.rollout.health import HangDetector
 from copc_jax.rollout.process import ServerProcess
@@ -48,9 +49,13 @@ class WeightPushError(RuntimeError):
 
 
 class _Server:
-  def __init__(self, address: str | None, process: ServerProcess | None):
+  def __init__(self, address: str | None, process: ServerProcess | None, token: str | None = None,
+               tls_root_certificates: str = ""):
     self.process, self.address = process, address
-    self.client = RolloutClient(address) if address else None
+    self.client = None
+    if address:
+      self.client = process.client() if process else RolloutClient(
+          address, token=token, tls_root_certificates=tls_root_certificates)
     self.in_flight = 0
     self.healthy = address is not None
     self.hung = False
@@ -76,7 +81,9 @@ class RolloutPool:
                addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 5,
                ready_timeout_s: float = 120.0, log_dir: str | None = None, stall_timeout_s: float = 10.0,
                probe_timeout_s: float = 5.0, lost_timeout_s: float = 120.0, weight_transfer: str = "path",
-               **server_kwargs):
+               token: str | None = None, tls_root_certificates: str = "", **server_kwargs):
+    """`token`: the remote servers' shared token (None: $COPC_AUTH_TOKEN, if set); local servers get
+    one of their own (`ServerProcess`). `tls_root_certificates`: the remote servers' CA (PEM file)."""
     if (checkpoint is None) == (addresses is None):
       raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
     if weight_transfer not in WEIGHT_TRANSFERS:
@@ -88,10 +95,13 @@ class RolloutPool:
     self._cond = threading.Condition()
     self._latest_weights: tuple[str | bytes, int] | None = None     # for servers that missed it
     self._closed = False
+    # Local servers share one fresh token: another pool given it (`token=pool.token`) may call them.
+    self.token = token if addresses is not None else auth.new_token()
+    self._server_kwargs = {**server_kwargs, **({"token": self.token} if addresses is None else {})}
     if addresses is not None:
-      self.servers = [_Server(a, None) for a in addresses]
+      self.servers = [_Server(a, None, token, tls_root_certificates) for a in addresses]
     else:
-      processes = [ServerProcess(checkpoint, seed=i, log_path=self._log_path(i), **server_kwargs)
+      processes = [ServerProcess(checkpoint, seed=i, log_path=self._log_path(i), **self._server_kwargs)
                    for i in range(num_servers)]
       self.servers = []
       try:
@@ -147,7 +157,7 @@ class RolloutPool:
       server.process = ServerProcess(self._checkpoint, seed=seed, log_path=self._log_path(seed),
                                      **self._server_kwargs)
       server.address = server.process.wait_ready(self.ready_timeout_s)
-      server.client = RolloutClient(server.address)
+      server.client = server.process.client()
       server.restarts += 1
       server.pushed = False
       if self._latest_weights is not None:

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 
+from copc_jax.rollout import auth
 from copc_jax.rollout.client import RolloutClient
 
 
@@ -24,13 +25,16 @@ def server_environment(platform: str) -> dict:
 
 
 class ServerProcess:
-  """One `python -m copc_jax.rollout.serve` subprocess; `address` once ready."""
+  """One `python -m copc_jax.rollout.serve` subprocess; `address` once ready. It gets a fresh random
+  `token` (in its environment), which `client()` sends: nothing else on this machine can call it."""
 
   def __init__(self, checkpoint: str, *, slots: int = 4, max_prefill_length: int = 64,
                max_length: int = 256, seed: int = 0, version: int = 0, log_path: str | None = None,
                platform: str = "cpu", tensor_parallelism: int = -1, decode_steps: int = 1,
-               launcher: tuple[str, ...] = ()):
-    """`launcher`: a command prefix the server runs under (e.g. a container that sees other files)."""
+               launcher: tuple[str, ...] = (), token: str | None = None, weights_roots: tuple[str, ...] = ()):
+    """`launcher`: a command prefix the server runs under (e.g. a container that sees other files);
+    `token`: the token it requires (None: a fresh random one); `weights_roots`: the only directories it
+    reads pushed paths from (empty: any)."""
     self._ready_dir = tempfile.TemporaryDirectory(prefix="copc_server_")
     self._ready_file = os.path.join(self._ready_dir.name, "port")
     self.log_path = log_path or os.path.join(self._ready_dir.name, "server.log")
@@ -39,10 +43,12 @@ class ServerProcess:
                f"--slots={slots}", f"--max_prefill_length={max_prefill_length}",
                f"--max_length={max_length}", f"--seed={seed}", f"--version={version}",
                f"--tensor_parallelism={tensor_parallelism}", f"--decode_steps={decode_steps}",
-               f"--ready_file={self._ready_file}", "--exit_with_parent"]
+               f"--ready_file={self._ready_file}", "--exit_with_parent",
+               *([f"--weights_root={','.join(weights_roots)}"] if weights_roots else [])]
     self._log = open(self.log_path, "a")
+    self.token = token or auth.new_token()
     self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                    env=server_environment(platform),
+                                    env={**server_environment(platform), auth.ENV_VAR: self.token},
                                     start_new_session=True)
     self.address: str | None = None
 
@@ -55,7 +61,7 @@ class ServerProcess:
       if os.path.exists(self._ready_file) and os.path.getsize(self._ready_file):
         with open(self._ready_file) as f:
           self.address = f"127.0.0.1:{int(f.read())}"
-        client = RolloutClient(self.address)
+        client = self.client()
         try:
           client.status(timeout_s=5)
           return self.address
@@ -66,6 +72,10 @@ class ServerProcess:
       time.sleep(0.1)
     self.stop()
     raise TimeoutError(f"rollout server not ready after {timeout_s:.0f} s; log: {self.log_path}")
+
+  def client(self, timeout_s: float = 300.0) -> RolloutClient:
+    """A client of this server (carrying its token)."""
+    return RolloutClient(self.address, timeout_s, token=self.token)
 
   def log_tail(self, lines: int = 30) -> str:
     with open(self.log_path) as f:

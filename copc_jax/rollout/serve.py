@@ -8,6 +8,7 @@ is the environment's (`JAX_PLATFORMS`: a TPU VM's chips, a GPU, or the CPU).
 """
 
 import asyncio
+import sys
 
 from absl import app, flags, logging
 
@@ -30,6 +31,12 @@ flags.DEFINE_integer("calls_ahead", 2, "Generate calls that may wait for the det
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("version", 0, "Version of the initial weights.")
 flags.DEFINE_string("ready_file", None, "Write the bound port here once serving.")
+flags.DEFINE_string("auth_token_file", "", "File holding the shared token every call must carry (default: "
+                    "$COPC_AUTH_TOKEN; required unless --host is a loopback address).")
+flags.DEFINE_list("weights_root", None, "Directories UpdateWeights may read weights from (symlinks resolved); "
+                  "required unless --host is a loopback address.")
+flags.DEFINE_string("tls_cert", "", "PEM certificate chain: serve over TLS (with --tls_key).")
+flags.DEFINE_string("tls_key", "", "PEM private key of --tls_cert.")
 flags.DEFINE_bool("log_steps", False, "Keep JetStream's per-step INFO logs (slow: several lines per step).")
 flags.DEFINE_bool("exit_with_parent", False, "Exit when the process that started this one dies "
                   "(set by the trainer's pool, so a SIGKILLed trainer leaves no servers behind).")
@@ -41,7 +48,19 @@ def main(argv):
   if FLAGS.exit_with_parent:
     parent_watchdog.exit_when_orphaned()
   from copc_jax.models import hf_io
+  from copc_jax.rollout import auth
   from copc_jax.rollout.engine import SERVING_RULES, CopcEngine, serving_mesh
+
+  try:                    # refused before the model loads: one line, exit status 2
+    token = auth.resolve_token(FLAGS.auth_token_file)
+    auth.check_bind(FLAGS.host, token)
+    if FLAGS.weights_root is None and not auth.is_loopback(FLAGS.host):
+      raise ValueError(f"--host={FLAGS.host} is reachable from the network: give --weights_root")
+    if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
+      raise ValueError("--tls_cert and --tls_key go together")
+  except (OSError, ValueError) as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
   from copc_jax.rollout.server import serve
 
   mesh = serving_mesh(FLAGS.tensor_parallelism)
@@ -60,7 +79,10 @@ def main(argv):
   if not FLAGS.log_steps:
     # JetStream 0.2.2 logs several INFO lines on the root logger for every decode step.
     logging.set_verbosity(logging.WARNING)
-  asyncio.run(serve(engine, FLAGS.port, FLAGS.host, FLAGS.ready_file, calls_ahead=FLAGS.calls_ahead))
+  credentials = auth.server_credentials(FLAGS.tls_cert, FLAGS.tls_key) if FLAGS.tls_cert else None
+  asyncio.run(serve(engine, FLAGS.port, FLAGS.host, FLAGS.ready_file, calls_ahead=FLAGS.calls_ahead,
+                    token=token, weights_roots=tuple(FLAGS.weights_root) if FLAGS.weights_root else None,
+                    credentials=credentials))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors_bytes
 
 from copc_jax.models import hf_io
-from copc_jax.rollout import jetstream_compat, requests
+from copc_jax.rollout import auth, jetstream_compat, requests
 from copc_jax.rollout.channel import BatchingChannel
 from copc_jax.rollout.engine import CopcEngine, SamplingOptions
 from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE
@@ -177,6 +177,8 @@ class RolloutService:
   async def update_weights(self, request, context):
     try:
       path, version, reset = requests.update_weights_request(request)
+      if self.weights_roots is not None:
+        path = auth.check_weights_path(path, self.weights_roots)
       if version == self._engine.store.version and not reset:
         return {"version": version}          # served already (a catch-up push after a pause): a no-op
       await asyncio.to_thread(hf_io.tensor_files, path)     # a directory with readable safetensors
@@ -252,16 +254,29 @@ def memory() -> dict:
 
 
 async def serve(engine: CopcEngine, port: int, host: str = "127.0.0.1", ready_file: str | None = None,
-                calls_ahead: int = 2):
-  """Run the server until cancelled; returns the bound port through `ready_file` if given."""
+                calls_ahead: int = 2, token: str | None = None, weights_roots: tuple[str, ...] | None = None,
+                credentials: grpc.ServerCredentials | None = None):
+  """Run the server until cancelled; returns the bound port through `ready_file` if given.
+
+  `token`: every RPC must carry it (`auth`); required off the loopback interface. `weights_roots`:
+  the directories `UpdateWeights` may read from (None: any the process can read, loopback only).
+  `credentials`: TLS (`auth.server_credentials`)."""
+  auth.check_bind(host, token)
+  if weights_roots is None and not auth.is_loopback(host):
+    raise ValueError(f"--host={host} is reachable from the network: give --weights_root, the directories "
+                     f"weight pushes by path may be read from")
   store = engine.load_params()
   driver = CopcDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[store],
                       generate_params=[store], interleaved_mode=True, calls_ahead=calls_ahead)
   server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+                           interceptors=auth.server_interceptors(token))
   jetstream_pb2_grpc.add_OrchestratorServicer_to_server(ValidatingOrchestrator(driver, engine), server)
-  server.add_generic_rpc_handlers([RolloutService(driver, engine).handler()])
-  bound = server.add_insecure_port(f"{host}:{port}")
+  service = RolloutService(driver, engine)
+  service.weights_roots = weights_roots
+  server.add_generic_rpc_handlers([service.handler()])
+  address = f"{host}:{port}"
+  bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
   await server.start()
   if ready_file:
     with open(ready_file, "w") as f:

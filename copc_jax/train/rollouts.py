@@ -35,6 +35,8 @@ class RolloutConfig:
   num_servers: int = 2                  # local JetStream servers started as subprocesses
   addresses: tuple[str, ...] = ()       # or remote servers (host:port); then num_servers is ignored
   eval_addresses: tuple[str, ...] = ()  # lag mode with remote servers: a server for evaluations
+  auth_token_file: str = ""             # remote servers' shared token ("": $COPC_AUTH_TOKEN, if set)
+  tls_root_certificates: str = ""       # remote servers' CA (PEM file): talk to them over TLS
   server_platform: str = "cpu"          # JAX platform of the local servers ("" = this environment's)
   server_tensor_parallelism: int = -1   # devices each local server splits the model over (-1: all)
   server_decode_steps: int = 1          # tokens each local server decodes per slot in one engine call

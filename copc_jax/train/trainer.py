@@ -43,6 +43,7 @@ from copc_jax.envs import data
 from copc_jax.envs.tasks import make_task
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import ValueModel
+from copc_jax.rollout import auth
 from copc_jax.rollout.agent import to_batch
 from copc_jax.rollout.pool import PoolExhausted, RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend
@@ -281,7 +282,9 @@ class Trainer:
                     lost_timeout_s=c.lost_timeout_s,
                     weight_transfer=rollouts.POOL_TRANSFER[c.weight_transfer])
       if addresses:
-        return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight, **common)
+        return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight,
+                           token=auth.resolve_token(c.auth_token_file),
+                           tls_root_certificates=c.tls_root_certificates, **common)
       # Servers start on the base weights as version -1; every version the learner
       # owns is pushed before anything is generated with it.
       return RolloutPool(self.base_checkpoint, num_servers=count, max_in_flight=c.max_in_flight,

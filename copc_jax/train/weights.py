@@ -24,8 +24,8 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import secrets
 import shutil
-import tempfile
 
 import jax
 from flax import nnx
@@ -54,9 +54,19 @@ def shared_memory_directory() -> str:
     owner = re.fullmatch(r"copc_jax_weights_(\d+)_.*", name)
     if owner and not _alive(int(owner.group(1))):
       shutil.rmtree(os.path.join(SHARED_MEMORY, name), ignore_errors=True)
-  path = tempfile.mkdtemp(prefix=f"copc_jax_weights_{os.getpid()}_", dir=SHARED_MEMORY)
+  # Owner-only (0700; the files in it 0600) under an unguessable name: other users can neither read a
+  # version nor plant one for the servers to load.
+  path = os.path.join(SHARED_MEMORY, f"copc_jax_weights_{os.getpid()}_{secrets.token_hex(16)}")
+  os.mkdir(path, 0o700)
   atexit.register(shutil.rmtree, path, ignore_errors=True)
   return path
+
+
+def _owner_only(result, directory: str):
+  """Files of `directory` readable and writable by their owner alone (0600)."""
+  for name in os.listdir(directory):
+    os.chmod(os.path.join(directory, name), 0o600)
+  return result
 
 
 def _alive(pid: int) -> bool:
@@ -125,7 +135,7 @@ class WeightStore:
     """Write `version` to this process's shared-memory directory and serve it from there; the version
     served before is deleted (the pool re-pushes only the newest to a restarted server)."""
     path = os.path.join(self._shared, f"v{version}")
-    checkpoint.write_atomically(path, lambda tmp: hf_io.save_params(actor, tmp))     # the servers' layout
+    checkpoint.write_atomically(path, lambda tmp: _owner_only(hf_io.save_params(actor, tmp), tmp))
     self.backend.update_weights(path, version)
     for name in os.listdir(self._shared):
       if name != f"v{version}":

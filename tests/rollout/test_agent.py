@@ -4,7 +4,7 @@ import pytest
 from copc_jax import sampling
 from copc_jax.models import hf_io, tiny
 from copc_jax.rollout import agent
-from copc_jax.rollout.client import Generation, RolloutClient
+from copc_jax.rollout.client import Generation
 from copc_jax.rollout.process import ServerProcess
 
 TOOL_OUTPUT = [60, 61, 62]
@@ -81,7 +81,7 @@ def served(tmp_path_factory):
   tiny.make_tiny_checkpoint(path, "qwen2", seed=0)
   process = ServerProcess(path, slots=2, max_prefill_length=64, max_length=160)
   process.wait_ready()
-  client = RolloutClient(process.address)
+  client = process.client()
   yield path, client
   client.close()
   process.stop()

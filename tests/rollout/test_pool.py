@@ -74,7 +74,8 @@ def test_weight_push_reaches_every_server_and_restarted_ones(checkpoint, tmp_pat
     assert [s["version"] for s in pool.status()] == [4, 4] and pool.servers[0].restarts == 1
     assert all(s["weight_swaps"]["UpdateWeights"] == 0 for s in pool.status())   # restarts streamed too
     before = [s["weight_swaps"] for s in pool.status()]
-    with RolloutPool(addresses=[s.address for s in pool.servers], weight_transfer="path") as next_run:
+    with RolloutPool(addresses=[s.address for s in pool.servers], weight_transfer="path",
+                     token=pool.token) as next_run:
       next_run.update_weights(str(tmp_path / "v3"), version=0)
       next_run.update_weights(str(tmp_path / "v3"), version=1)
       assert [s["version"] for s in next_run.status()] == [1, 1]
@@ -97,7 +98,7 @@ def test_remote_addresses_and_clean_shutdown_on_ctrl_c(checkpoint, tmp_path):
       from copc_jax.rollout.pool import RolloutPool
       pool = RolloutPool({checkpoint!r}, num_servers=2, max_prefill_length=16, max_length=64)
       print(",".join(str(s.process.process.pid) for s in pool.servers), flush=True)
-      remote = RolloutPool(addresses=[s.address for s in pool.servers])
+      remote = RolloutPool(addresses=[s.address for s in pool.servers], token=pool.token)
       print(len(remote.generate([1, 7, 8], max_tokens=3).token_ids), flush=True)
       print("ready", flush=True)
       # Ctrl-C lands here, uncaught: the pool's exit hook must stop the servers. Short sleeps: a

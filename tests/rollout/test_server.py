@@ -10,8 +10,7 @@ from safetensors.numpy import save as save_safetensors_bytes
 from copc_jax import sampling
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder, KVCache
-from copc_jax.rollout import jetstream_compat
-from copc_jax.rollout.client import RolloutClient
+from copc_jax.rollout import auth, jetstream_compat
 from copc_jax.rollout.process import ServerProcess
 
 _, _, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
@@ -29,7 +28,7 @@ def checkpoint(tmp_path_factory):
 def server(checkpoint):
   process = ServerProcess(checkpoint, slots=4, max_prefill_length=32, max_length=96)
   process.wait_ready()
-  client = RolloutClient(process.address)
+  client = process.client()
   yield process, client
   client.close()
   process.stop()
@@ -113,7 +112,7 @@ def test_raw_bodies_that_are_not_json_objects_are_invalid_arguments(server):
   from copc_jax.rollout.protocol import SERVICE
 
   process, client = server
-  with grpc.insecure_channel(process.address) as channel:
+  with auth.client_channel(process.address, process.token) as channel:
     generate = channel.unary_stream(f"/{SERVICE}/Generate", lambda b: b, lambda b: b)
     update = channel.unary_unary(f"/{SERVICE}/UpdateWeights", lambda b: b, lambda b: b)
     bodies = [(b"[1, 2, 3]", "must be a JSON object; got list"), (b"7", "got int"),
@@ -144,7 +143,7 @@ def test_extreme_but_allowed_sampling_settings_give_finite_logprobs(server):
 
 def test_stock_jetstream_decode_client_gets_tokens(server):
   process, _ = server
-  with grpc.insecure_channel(process.address) as channel:
+  with auth.client_channel(process.address, process.token) as channel:
     stub = jetstream_pb2_grpc.OrchestratorStub(channel)
     assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest()).is_live
     request = jetstream_pb2.DecodeRequest(
@@ -216,7 +215,7 @@ def test_weight_push_mid_generation_versions_and_logprobs(checkpoint):
 def test_weight_pushes_between_requests_swap_without_recompiling(checkpoint, tmp_path):
   process = ServerProcess(checkpoint, slots=2, max_prefill_length=16, max_length=128, seed=1)
   process.wait_ready()
-  client = RolloutClient(process.address)
+  client = process.client()
   try:
     old, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
     new = Decoder(old.config, rngs=nnx.Rngs(42))
@@ -381,7 +380,8 @@ def test_a_server_process_serves_over_all_devices_of_its_platform(checkpoint):
   """platform "" keeps this environment (8 fake CPU devices): the server splits the model over all
   of them and its log-probs are the learner's."""
   process = ServerProcess(checkpoint, slots=2, max_prefill_length=16, max_length=64, platform="")
-  client = RolloutClient(process.wait_ready())
+  process.wait_ready()
+  client = process.client()
   try:
     assert client.status()["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
     out = client.generate([1, 40, 41], max_tokens=12, seed=3)
@@ -414,7 +414,8 @@ def test_a_server_decoding_several_steps_per_call_stops_exactly(checkpoint, serv
   sequence or max_tokens that falls inside a call ends the generation exactly there."""
   _, single = server
   process = ServerProcess(checkpoint, slots=4, max_prefill_length=32, max_length=96, decode_steps=4)
-  client = RolloutClient(process.wait_ready())
+  process.wait_ready()
+  client = process.client()
   try:
     request = dict(token_ids=[1, 30, 31], max_tokens=11, temperature=1.0, seed=9)
     expected = single.generate(**request)

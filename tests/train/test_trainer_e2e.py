@@ -83,12 +83,13 @@ def test_servers_that_never_become_ready_end_the_run_with_advice(tmp_path):
   assert not servers_of(tmp_path)
 
 
-def test_a_remote_pool_that_dies_saves_and_says_so(tmp_path):
+def test_a_remote_pool_that_dies_saves_and_says_so(tmp_path, monkeypatch):
   from copc_jax.models import tiny
 
   tiny.make_tiny_checkpoint(str(tmp_path / "model"))
   server = ServerProcess(str(tmp_path / "model"), slots=4, max_prefill_length=64, max_length=128, version=-1)
   address = server.wait_ready()
+  monkeypatch.setenv("COPC_AUTH_TOKEN", server.token)          # the remote server's shared token
   config = small_config(model=dict(checkpoint=str(tmp_path / "model")),
                         rollout=dict(addresses=(address,)))
   workdir = tmp_path / "run"
@@ -119,13 +120,14 @@ def test_the_main_command_names_missing_data(tmp_path):
   assert "Traceback" not in result.stderr
 
 
-def test_servers_that_do_not_fit_the_config_or_serve_another_model_are_refused(tmp_path):
+def test_servers_that_do_not_fit_the_config_or_serve_another_model_are_refused(tmp_path, monkeypatch):
   from copc_jax.models import tiny
 
   tiny.make_tiny_checkpoint(str(tmp_path / "qwen2"), "qwen2")
   tiny.make_tiny_checkpoint(str(tmp_path / "llama"), "llama")
   server = ServerProcess(str(tmp_path / "qwen2"), slots=4, max_prefill_length=64, max_length=96, version=-1)
   address = server.wait_ready()
+  monkeypatch.setenv("COPC_AUTH_TOKEN", server.token)
   try:
     config = small_config(model=dict(checkpoint=str(tmp_path / "qwen2")),
                           rollout=dict(addresses=(address,), max_length=128))
@@ -144,12 +146,11 @@ def test_servers_that_do_not_fit_the_config_or_serve_another_model_are_refused(t
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (setup.sh installs it)")
-def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_path):
+def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_path, monkeypatch):
   """The server runs in a mount namespace where the learner's workdir is an empty tmpfs: pushing by
   path fails with advice; weight_transfer='stream' trains, every version arriving over gRPC; 'memory'
   and 'shm' (shared memory, which the server still sees) never write a version to the workdir."""
   from copc_jax.models import tiny
-  from copc_jax.rollout.client import RolloutClient
 
   tiny.make_tiny_checkpoint(str(tmp_path / "model"))
   hide = ["bwrap", "--dev-bind", "/", "/"]
@@ -160,7 +161,8 @@ def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_
   server = ServerProcess(str(tmp_path / "model"), slots=4, max_prefill_length=64, max_length=128, version=-1,
                          launcher=hide)
   address = server.wait_ready()
-  client = RolloutClient(address)
+  client = server.client()
+  monkeypatch.setenv("COPC_AUTH_TOKEN", server.token)          # the remote server's shared token
   try:
     config = small_config(model=dict(checkpoint=str(tmp_path / "model")), rollout=dict(addresses=(address,)),
                           trainer=dict(mode="sync", steps=3, eval_every=0))
