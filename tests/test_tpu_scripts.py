@@ -73,6 +73,21 @@ def test_servers_then_learner():
   assert "--config.rollout.addresses=\"('IP_OF_copc-server-0:9000','IP_OF_copc-server-1:9000',)\"" in out
 
 
+def test_the_servers_and_the_learner_share_a_token(tmp_path):
+  """start_servers.sh creates the token (owner-only) if missing, copies it to every server and every
+  learner host, and the servers require it and read weights only under WORKDIR."""
+  token = tmp_path / "token"
+  out = dry_run("start_servers.sh", NUM_SERVERS="2", CHECKPOINT="/models/q", AUTH_TOKEN_FILE=str(token),
+                WORKDIR="/mnt/runs/x")
+  assert f"creating the servers' shared token in {token}" in out
+  assert out.count(f"tpu-vm scp {token} copc-server-") == 2 and out.count("chmod 600") == 2
+  assert out.count("--auth_token_file=") == 2 and out.count("--weights_root=/mnt/runs/x") == 2
+  token.write_text("secret\n")
+  out = dry_run("start_learner.sh", ADDRESSES="a:1", AUTH_TOKEN_FILE=str(token), CONFIG="configs/default.py")
+  assert "creating" not in out and f"tpu-vm scp {token}" in out and "--worker=all" in out
+  assert "--config.rollout.auth_token_file=" in out and "secret" not in out       # the path, never the token
+
+
 @pytest.mark.parametrize("name", ["create_tpu_vms.sh", "start_learner.sh"])
 def test_bad_invocations_say_what_is_wrong(name):
   result = subprocess.run(["bash", os.path.join("tpu_scripts", name), "--bogus"], cwd=ROOT, text=True,

@@ -95,3 +95,25 @@ internal_ip() {
       --format='value(networkEndpoints[0].ipAddress)'
   fi
 }
+
+# The shared token the servers require on every call (`copc_jax.rollout.auth`): created once on this
+# machine (owner-only), copied to a TPU VM's workers as $REMOTE_DIR/auth_token (mode 600).
+AUTH_TOKEN_FILE="${AUTH_TOKEN_FILE:-$HOME/.config/copc_jax/auth_token}"
+REMOTE_TOKEN="$REMOTE_DIR/auth_token"
+
+ensure_token() {
+  if [[ ! -s "$AUTH_TOKEN_FILE" ]]; then
+    echo "+ creating the servers' shared token in $AUTH_TOKEN_FILE"
+    if [[ "$DRY_RUN" == 0 ]]; then
+      (umask 077 && mkdir -p "$(dirname "$AUTH_TOKEN_FILE")" && head -c 32 /dev/urandom | base64 > "$AUTH_TOKEN_FILE")
+    fi
+  fi
+}
+
+# Copy the token to every given worker of a TPU VM, readable by its owner alone.
+distribute_token() {
+  local name="$1" worker="$2"
+  run gcloud compute tpus tpu-vm scp "$AUTH_TOKEN_FILE" "$name:$REMOTE_TOKEN" --project="$PROJECT" \
+    --zone="$ZONE" --worker="$worker"
+  on_tpu "$name" "$worker" "chmod 600 $REMOTE_TOKEN"
+}

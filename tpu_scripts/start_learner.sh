@@ -19,6 +19,8 @@ fi
 address_tuple="('${ADDRESSES//,/\',\'}',)"
 checkpoint_flag="${CHECKPOINT:+ --config.model.checkpoint=$CHECKPOINT}"   # default: the config's
 
+ensure_token
+distribute_token "$LEARNER_TPU" all          # the servers' shared token (start_servers.sh created it)
 on_tpu "$LEARNER_TPU" all "cd $REMOTE_DIR && .venv/bin/python -m copc_jax.main --distributed \
 --config=$CONFIG --workdir=$WORKDIR$checkpoint_flag \
---config.rollout.addresses=\"$address_tuple\" > learner.log 2>&1"
+--config.rollout.addresses=\"$address_tuple\" --config.rollout.auth_token_file=$REMOTE_TOKEN > learner.log 2>&1"

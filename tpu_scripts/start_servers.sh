@@ -6,8 +6,9 @@
 # Settings (environment): CONFIG (the learner's: the servers' slots, prompt and total lengths and
 # checkpoint are its rollout.slots, max_prefill_length, max_length and model.checkpoint unless SLOTS,
 # MAX_PREFILL_LENGTH, MAX_LENGTH, CHECKPOINT are set; CHECKPOINT is a Hugging Face directory on each
-# VM), SERVER_PORT, plus those of create_tpu_vms.sh. The servers load new weights from paths under WORKDIR, which must be shared with
-# the learner.
+# VM), SERVER_PORT, AUTH_TOKEN_FILE (the shared token, created if missing), plus those of
+# create_tpu_vms.sh. The servers load new weights only from paths under WORKDIR, which must be shared
+# with the learner, and answer only calls that carry the token.
 
 # shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
@@ -24,12 +25,16 @@ fi
 echo "servers for $CONFIG: $CHECKPOINT, slots $SLOTS, max_prefill_length $MAX_PREFILL_LENGTH," \
   "max_length $MAX_LENGTH"
 
+ensure_token
 addresses=()
 for i in $(seq 0 $((NUM_SERVERS - 1))); do
   name="$(server_name "$i")"
+  distribute_token "$name" 0
+  # Every call must carry the shared token; weights are read only from the run's WORKDIR.
   on_tpu "$name" 0 "cd $REMOTE_DIR && nohup .venv/bin/python -m copc_jax.rollout.serve \
 --checkpoint=$CHECKPOINT --host=0.0.0.0 --port=$SERVER_PORT --slots=$SLOTS \
 --max_prefill_length=$MAX_PREFILL_LENGTH --max_length=$MAX_LENGTH --seed=$i --version=-1 \
+--auth_token_file=$REMOTE_TOKEN --weights_root=$WORKDIR \
 > server.log 2>&1 &"
   addresses+=("$(internal_ip "$name"):$SERVER_PORT")
 done
