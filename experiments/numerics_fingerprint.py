@@ -1,0 +1,71 @@
+"""The training numerics of the default config, reduced to a fingerprint that CI compares.
+
+  python experiments/numerics_fingerprint.py            # print the fingerprint of this commit
+  python experiments/numerics_fingerprint.py --update   # record it in tests/fixtures/ (say why in the commit)
+
+The default config (`configs/default.py`) with a short warm start (40 steps), then 4 lag-mode updates
+(k = 2) of 8 episodes against two real JetStream servers, and a greedy evaluation on 8 held-out
+problems: lag mode is reproducible bit for bit (`tests/train/test_reproducible.py`), so any change to
+the model, the sampler, the estimator, the losses, the learner's defaults or the data order moves a
+number here. `tests/test_numerics_fingerprint.py` fails on such a change until the fingerprint is
+updated on purpose; a change that should not move the numerics must leave it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "numerics_fingerprint.json")
+KEYS = ("reward_mean", "actor_loss", "value_loss", "grad_norm", "critic_grad_norm", "advantage_raw_mean",
+        "advantage_raw_std", "returns_mean", "kl_behavior", "clip_fraction", "entropy", "ratio_max",
+        "value_explained_variance")
+
+
+def config():
+  from configs import default
+  from copc_jax import config as config_lib
+  raw = default.get_config()
+  raw.warm_start.steps = 40
+  raw.task.eval_size = 8
+  raw.trainer.update(dict(mode="lag", lag=2, steps=4, batch_size=8, num_minibatches=2, critic_warmup_steps=2,
+                          eval_every=4, checkpoint_every=4, progress_bar=False))
+  raw.rollout.update(dict(slots=4, max_in_flight=4))
+  return config_lib.from_config_dict(raw)
+
+
+def fingerprint(workdir: str) -> dict:
+  """Run the reduced default job in `workdir`; its rows' numbers that the fingerprint keeps."""
+  import jax
+
+  from copc_jax.train import metrics, trainer
+  trainer.train_and_evaluate(config(), workdir)
+  rows = metrics.read_metrics(workdir)
+  return {"jax_version": jax.__version__,
+          "evaluations": [[r["step"], r["eval_accuracy"]] for r in rows if "eval_accuracy" in r],
+          "critic_warmup": [[r["critic_warmup_step"], r["value_loss"]] for r in rows if "critic_warmup_step" in r],
+          "updates": [{"step": r["step"], **{k: r.get(k) for k in KEYS}} for r in metrics.update_rows(rows)]}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--update", action="store_true", help=f"write it to {os.path.relpath(FIXTURE, ROOT)}")
+  args = parser.parse_args()
+  with tempfile.TemporaryDirectory() as tmp:
+    result = fingerprint(tmp)
+  print(json.dumps(result, indent=1))
+  if args.update:
+    with open(FIXTURE, "w") as f:
+      json.dump(result, f, indent=1)
+      f.write("\n")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,34 @@
+"""CI's check that the training numerics did not change by accident (experiments/numerics_fingerprint.py)."""
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import numerics_fingerprint  # noqa: E402
+
+
+@pytest.mark.slow
+def test_the_default_configs_numerics_match_the_recorded_fingerprint(tmp_path):
+  with open(numerics_fingerprint.FIXTURE) as f:
+    recorded = json.load(f)
+  got = numerics_fingerprint.fingerprint(str(tmp_path / "run"))
+  advice = ("the training numerics changed: if this commit means to change them, rerun "
+            "`python experiments/numerics_fingerprint.py --update`, say why in the commit, and regenerate "
+            "the README numbers it moves (experiments/default_run_seeds.py); if not, find what moved")
+  if got["jax_version"] != recorded["jax_version"]:
+    advice += f" (recorded with jax {recorded['jax_version']}, this is {jax.__version__})"
+  assert got["evaluations"] == recorded["evaluations"], advice
+  np.testing.assert_allclose([v for _, v in got["critic_warmup"]], [v for _, v in recorded["critic_warmup"]],
+                             rtol=1e-4, err_msg=advice)
+  assert [r["step"] for r in got["updates"]] == [r["step"] for r in recorded["updates"]], advice
+  for mine, theirs in zip(got["updates"], recorded["updates"], strict=True):
+    for key in numerics_fingerprint.KEYS:
+      np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-4, atol=1e-6,
+                                 err_msg=f"update {mine['step']}, {key}: {advice}")
