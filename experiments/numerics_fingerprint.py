@@ -50,7 +50,8 @@ def fingerprint(workdir: str) -> dict:
   rows = metrics.read_metrics(workdir)
   return {"jax_version": jax.__version__,
           "evaluations": [[r["step"], r["eval_accuracy"]] for r in rows if "eval_accuracy" in r],
-          "critic_warmup": [[r["critic_warmup_step"], r["value_loss"]] for r in rows if "critic_warmup_step" in r],
+          "critic_warmup": [[r["critic_warmup_step"], r["value_loss"]] for r in rows
+                            if "critic_warmup_step" in r],
           "updates": [{"step": r["step"], **{k: r.get(k) for k in KEYS}} for r in metrics.update_rows(rows)]}
 
 

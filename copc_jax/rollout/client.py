@@ -61,28 +61,31 @@ class RolloutClient:
   def generate(self, token_ids, max_tokens: int, **sampling) -> Generation:
     return collect(self.stream(token_ids, max_tokens, **sampling))
 
-  def update_weights(self, path: str, version: int, reset: bool = False) -> int:
-    """Serve `path` as `version`; `reset` starts a new sequence of versions (a new run)."""
+  def update_weights(self, path: str, version: int, reset: bool = False, timeout_s: float | None = None) -> int:
+    """Serve `path` as `version`; `reset` starts a new sequence of versions (a new run); a server that
+    has not answered within `timeout_s` (default: the client's) ends the call with DEADLINE_EXCEEDED."""
     body = {"path": path, "version": version, **({"reset": True} if reset else {})}
-    return self._update(body, timeout=self.timeout_s)["version"]
+    return self._update(body, timeout=timeout_s or self.timeout_s)["version"]
 
-  def update_weights_bytes(self, payload: bytes, version: int, reset: bool = False) -> int:
+  def update_weights_bytes(self, payload: bytes, version: int, reset: bool = False,
+                           timeout_s: float | None = None) -> int:
     """Stream one safetensors file's bytes (in `CHUNK_BYTES` messages) as `version`."""
     chunks = (payload[i:i + CHUNK_BYTES] for i in range(0, max(len(payload), 1), CHUNK_BYTES))
-    return self._stream_update(chunks, version, reset)
+    return self._stream_update(chunks, version, reset, timeout_s)
 
-  def update_weights_file(self, path: str, version: int, reset: bool = False) -> int:
+  def update_weights_file(self, path: str, version: int, reset: bool = False,
+                          timeout_s: float | None = None) -> int:
     """Stream a safetensors file from this machine's disk as `version`, read chunk by chunk: the
     server needs no access to the path (no shared filesystem)."""
     def chunks():
       with open(path, "rb") as f:
         while chunk := f.read(CHUNK_BYTES):
           yield chunk
-    return self._stream_update(chunks(), version, reset)
+    return self._stream_update(chunks(), version, reset, timeout_s)
 
-  def _stream_update(self, chunks, version: int, reset: bool) -> int:
+  def _stream_update(self, chunks, version: int, reset: bool, timeout_s: float | None) -> int:
     metadata = [("copc-version", str(version))] + ([("copc-reset", "1")] if reset else [])
-    return self._update_bytes(chunks, metadata=metadata, timeout=self.timeout_s)["version"]
+    return self._update_bytes(chunks, metadata=metadata, timeout=timeout_s or self.timeout_s)["version"]
 
   def status(self, timeout_s: float | None = None) -> dict:
     return self._status({}, timeout=timeout_s or self.timeout_s)

@@ -64,15 +64,17 @@ class _Server:
     self.pushed = False          # has taken a push from this pool (before: its versions are another run's)
     self.lock = threading.Lock()
 
-  def push(self, source: str | bytes, version: int, transfer: str) -> None:
+  def push(self, source: str | bytes, version: int, transfer: str, timeout_s: float | None = None) -> None:
     """`source`: safetensors bytes (streamed), or a directory by name ("path": the server reads it)
-    or streamed from this machine's disk ("stream")."""
+    or streamed from this machine's disk ("stream"); abandoned after `timeout_s`."""
+    reset = not self.pushed
     if isinstance(source, bytes):
-      self.client.update_weights_bytes(source, version, reset=not self.pushed)
+      self.client.update_weights_bytes(source, version, reset=reset, timeout_s=timeout_s)
     elif transfer == "stream":
-      self.client.update_weights_file(os.path.join(source, SAFETENSORS_SINGLE), version, reset=not self.pushed)
+      self.client.update_weights_file(os.path.join(source, SAFETENSORS_SINGLE), version, reset=reset,
+                                      timeout_s=timeout_s)
     else:
-      self.client.update_weights(source, version, reset=not self.pushed)
+      self.client.update_weights(source, version, reset=reset, timeout_s=timeout_s)
     self.pushed = True
 
 
@@ -81,9 +83,13 @@ class RolloutPool:
                addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 5,
                ready_timeout_s: float = 120.0, log_dir: str | None = None, stall_timeout_s: float = 10.0,
                probe_timeout_s: float = 5.0, lost_timeout_s: float = 120.0, weight_transfer: str = "path",
-               token: str | None = None, tls_root_certificates: str = "", **server_kwargs):
+               token: str | None = None, tls_root_certificates: str = "", push_timeout_s: float = 300.0,
+               **server_kwargs):
     """`token`: the remote servers' shared token (None: $COPC_AUTH_TOKEN, if set); local servers get
-    one of their own (`ServerProcess`). `tls_root_certificates`: the remote servers' CA (PEM file)."""
+    one of their own (`ServerProcess`). `tls_root_certificates`: the remote servers' CA (PEM file).
+    `push_timeout_s`: a weight push a server has not completed by then is abandoned, the server taken
+    out of routing as hung, and the newest weights pushed again when it answers."""
+    self.push_timeout_s = push_timeout_s
     if (checkpoint is None) == (addresses is None):
       raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
     if weight_transfer not in WEIGHT_TRANSFERS:
@@ -161,7 +167,7 @@ class RolloutPool:
       server.restarts += 1
       server.pushed = False
       if self._latest_weights is not None:
-        server.push(*self._latest_weights, self.weight_transfer)
+        server.push(*self._latest_weights, self.weight_transfer, self.push_timeout_s)
       server.healthy = True
     with self._cond:
       self._cond.notify_all()
@@ -190,7 +196,7 @@ class RolloutPool:
       if self._detector.responds(server):
         try:
           if self._latest_weights is not None:
-            server.push(*self._latest_weights, self.weight_transfer)
+            server.push(*self._latest_weights, self.weight_transfer, self.push_timeout_s)
         except grpc.RpcError:
           continue
         with self._cond:
@@ -248,8 +254,12 @@ class RolloutPool:
         self._on_hung(server)       # it gets these weights when it answers again
         return
       try:
-        server.push(source, version, self.weight_transfer)
+        server.push(source, version, self.weight_transfer, self.push_timeout_s)
       except grpc.RpcError as err:
+        alive = server.process is None or server.process.alive()
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and alive:
+          self._on_hung(server)         # stopped answering mid-push: re-pushed when it answers again
+          return
         if err.code() not in RETRYABLE:
           hint = (" A server that does not share this machine's filesystem needs weight_transfer='stream' "
                   "(config.rollout.weight_transfer)." if described.startswith("path") else "")

@@ -60,6 +60,7 @@ class RolloutConfig:
   stall_timeout_s: float = 10.0         # a generation silent this long makes the pool probe its server
   probe_timeout_s: float = 5.0          # ... which is hung if Status gets no answer within this
   lost_timeout_s: float = 120.0         # a generation silent this long on a server that answers: resubmitted
+  push_timeout_s: float = 300.0         # a weight push unfinished by then: the server is out until it answers
 
   def __post_init__(self):
     if self.server_platform not in SERVER_PLATFORMS:
@@ -81,7 +82,7 @@ class RolloutConfig:
       raise ValueError(f"max_length ({self.max_length}) must exceed max_prefill_length "
                        f"({self.max_prefill_length})")
     _ = self.sampling   # validates temperature, top_p, top_k
-    for name in ("ready_timeout_s", "stall_timeout_s", "probe_timeout_s", "lost_timeout_s"):
+    for name in ("ready_timeout_s", "stall_timeout_s", "probe_timeout_s", "lost_timeout_s", "push_timeout_s"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
     if self.lost_timeout_s < self.stall_timeout_s:

@@ -279,7 +279,7 @@ class Trainer:
     _say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
     try:
       common = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
-                    lost_timeout_s=c.lost_timeout_s,
+                    lost_timeout_s=c.lost_timeout_s, push_timeout_s=c.push_timeout_s,
                     weight_transfer=rollouts.POOL_TRANSFER[c.weight_transfer])
       if addresses:
         return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight,

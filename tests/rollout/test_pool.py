@@ -158,3 +158,31 @@ def test_a_paused_server_is_found_its_requests_finish_elsewhere_and_it_comes_bac
       assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
     assert wait_until(lambda: paused.healthy, timeout_s=120)
     assert paused.restarts == 0 and paused.client.status()["version"] == 2   # back, with the latest weights
+
+
+def test_a_server_that_stops_answering_mid_push_is_abandoned_and_caught_up(checkpoint, tmp_path, monkeypatch):
+  """SIGSTOP a server that had just answered its probe: the push to it ends at push_timeout_s, the
+  server is out of routing as hung and the other one has the version; after SIGCONT the pool pushes
+  it the newest version and routes to it again. (Waits, no timing assertions.)"""
+  from flax import nnx
+
+  from copc_jax.models import hf_io
+  from copc_jax.models.decoder import Decoder
+
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  hf_io.save_pretrained(Decoder(model.config, rngs=nnx.Rngs(7)), str(tmp_path / "v1"))
+  with RolloutPool(checkpoint, num_servers=2, max_in_flight=2, slots=2, max_prefill_length=16, max_length=32,
+                   push_timeout_s=3.0, probe_timeout_s=1.0) as pool:
+    frozen = pool.servers[0]
+    monkeypatch.setattr(pool._detector, "responds", lambda server: server is not frozen or not frozen.hung)
+    os.kill(frozen.process.process.pid, signal.SIGSTOP)          # after its probe, before the push lands
+    try:
+      pool.update_weights(str(tmp_path / "v1"), version=1)       # returns: the stopped server is abandoned
+      assert frozen.hung and not frozen.healthy and frozen.hangs == 1
+      assert pool.servers[1].client.status()["version"] == 1
+      assert pool.generate([1, 5], max_tokens=2).versions == [1, 1]   # routed to the live server only
+    finally:
+      os.kill(frozen.process.process.pid, signal.SIGCONT)
+    monkeypatch.undo()
+    assert wait_until(lambda: frozen.healthy and not frozen.hung, timeout_s=120)
+    assert frozen.client.status()["version"] == 1                # caught up on recovery
