@@ -58,14 +58,22 @@ def fingerprint(workdir: str) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--update", action="store_true", help=f"write it to {os.path.relpath(FIXTURE, ROOT)}")
+  parser.add_argument("--out", help="write it to this file")
   args = parser.parse_args()
+  if jax_device_count() != 1:
+    parser.error("run it on one device (XLA_FLAGS without --xla_force_host_platform_device_count)")
   with tempfile.TemporaryDirectory() as tmp:
     result = fingerprint(tmp)
   print(json.dumps(result, indent=1))
-  if args.update:
-    with open(FIXTURE, "w") as f:
+  for path in filter(None, (FIXTURE if args.update else None, args.out)):
+    with open(path, "w") as f:
       json.dump(result, f, indent=1)
       f.write("\n")
+
+
+def jax_device_count() -> int:
+  import jax
+  return jax.device_count()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -16,9 +17,14 @@ import numerics_fingerprint  # noqa: E402
 
 @pytest.mark.slow
 def test_the_default_configs_numerics_match_the_recorded_fingerprint(tmp_path):
+  """The script in its own process on one device (the tests' 8 fake devices would change the mesh)."""
   with open(numerics_fingerprint.FIXTURE) as f:
     recorded = json.load(f)
-  got = numerics_fingerprint.fingerprint(str(tmp_path / "run"))
+  out = tmp_path / "fingerprint.json"
+  result = subprocess.run([sys.executable, "experiments/numerics_fingerprint.py", f"--out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "XLA_FLAGS": ""})
+  assert result.returncode == 0, result.stderr[-3000:]
+  got = json.loads(out.read_text())
   advice = ("the training numerics changed: if this commit means to change them, rerun "
             "`python experiments/numerics_fingerprint.py --update`, say why in the commit, and regenerate "
             "the README numbers it moves (experiments/default_run_seeds.py); if not, find what moved")
