@@ -271,6 +271,10 @@ def value_loss(values, old_values, returns, mask, config: ValueLossConfig):
     clipped_bt = old_values + jnp.clip(values - old_values, -config.clip, config.clip)
     error_bt = jnp.maximum(error_bt, jnp.square(clipped_bt - returns))
   loss = 0.5 * aggregate(error_bt, mask, config.aggregation)
-  explained = 1.0 - (_masked_stats(returns - values, jnp.asarray(mask, bool))[1] ** 2
-                     / jnp.maximum(_masked_stats(returns, jnp.asarray(mask, bool))[1] ** 2, 1e-8))
+  mask = jnp.asarray(mask, bool)
+  returns_var = _masked_stats(returns, mask)[1] ** 2
+  # 1 − Var(G − V)/Var(G); undefined (NaN, logged as null) when the targets barely vary (e.g. every
+  # episode of the batch got the same reward), where the ratio would be noise over ~0.
+  explained = jnp.where(returns_var > 1e-6, 1.0 - _masked_stats(returns - values, mask)[1] ** 2
+                        / jnp.maximum(returns_var, 1e-6), jnp.nan)
   return loss, {"value_loss": loss, "value_explained_variance": explained}

@@ -189,9 +189,15 @@ def summarise(workdir: str, target: float) -> dict:
       "mask_fraction_mean": mean_of("mask_fraction"), "ess_mean": mean_of("ess"),
       "staleness_mean": mean_of("staleness_mean"), "reward_last_10": float(np.mean(
           [r["reward_mean"] for r in updates[-10:]])),
-      "critic_warmup_explained_variance": warmup[-1]["value_explained_variance"] if warmup else None,
+      # as the trainer reports it: the mean over the warm-up's last 3 batches whose targets vary
+      "critic_warmup_explained_variance": _mean_or_none([r["value_explained_variance"] for r in warmup[-3:]]),
       "series": {key: [r.get(key) for r in updates] for key in SERIES_KEYS},
   }
+
+
+def _mean_or_none(values) -> float | None:
+  finite = [v for v in values if v is not None and -1e3 < v <= 1]     # older rows: degenerate batches
+  return float(np.mean(finite)) if finite else None
 
 
 # What the rows keep of each update, for the studies (what moves before a failure included).

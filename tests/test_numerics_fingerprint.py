@@ -36,5 +36,6 @@ def test_the_default_configs_numerics_match_the_recorded_fingerprint(tmp_path):
   assert [r["step"] for r in got["updates"]] == [r["step"] for r in recorded["updates"]], advice
   for mine, theirs in zip(got["updates"], recorded["updates"], strict=True):
     for key in numerics_fingerprint.KEYS:
-      np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-4, atol=1e-6,
+      as_float = lambda v: np.nan if v is None else v          # null: undefined (equal when both are)
+      np.testing.assert_allclose(as_float(mine[key]), as_float(theirs[key]), rtol=1e-4, atol=1e-6,
                                  err_msg=f"update {mine['step']}, {key}: {advice}")

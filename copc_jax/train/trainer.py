@@ -411,21 +411,26 @@ class Trainer:
     then a checkpoint at step 0: the actor moves only once the critic knows its returns (as verl's
     `critic_warmup`). Group presets have no critic to warm up. The last row reports explained variance."""
     steps = 0 if self.config.estimator.group_method else self.cfg.critic_warmup_steps
-    metrics = {}
+    metrics, explained = {}, []
     for i in range(steps):
       with self.timer("weight_sync_s"):
         source.weights.push(0, self.learner.actor)
       episodes = rollouts.collect(source.runner, source.prompts.take(self.local_batch_size), source.workers)
       batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length)
       metrics = jax.device_get(self.learner.critic_step(batch, process_local=True))
+      explained.append(float(metrics["value_explained_variance"]))
       logger.write({"step": 0, "critic_warmup_step": i + 1, "value_loss": metrics["value_loss"],
                     "value_explained_variance": metrics["value_explained_variance"],
                     "returns_mean": metrics["returns_mean"], **self.timer.lap()})
-    self.record["critic_warmup"] = {"steps": steps, **{k: float(metrics[k]) for k in (
-        "value_loss", "value_explained_variance") if k in metrics}}
+    # Explained variance at the end of warm-up: the mean over its last 3 batches (a batch whose targets
+    # do not vary has none).
+    last = [e for e in explained[-3:] if math.isfinite(e)]
+    self.record["critic_warmup"] = {"steps": steps,
+                                    "value_explained_variance": float(np.mean(last)) if last else None,
+                                    **({"value_loss": float(metrics["value_loss"])} if metrics else {})}
     if steps:
-      logger.note(f"critic warm-up: {steps} value-only updates, explained variance "
-                  f"{self.record['critic_warmup']['value_explained_variance']:.3f}")
+      logger.note(f"critic warm-up: {steps} value-only updates, explained variance over its last batches "
+                  f"{self.record['critic_warmup']['value_explained_variance']}")
     self._checkpoint(source)        # step 0: a run killed from here on resumes with the same command
 
   def _prompts(self, runner, saved: dict) -> rollouts.PromptSource:

@@ -93,7 +93,11 @@ def run_readings(run: dict) -> dict:
           "entropy_window_max": float(np.nanmax(window["entropy"])) if np.isfinite(window["entropy"]).any()
           else None,
           "clip_fraction_mean": mean(_series(run, "clip_fraction")),
-          "explained_variance_window_mean": mean(window["value_explained_variance"]),
+          # the median: a batch whose targets barely vary gives a huge negative ratio (runs before the
+          # learner reported those as null)
+          "explained_variance_window_median": (float(np.nanmedian(window["value_explained_variance"]))
+                                               if np.isfinite(window["value_explained_variance"]).any()
+                                               else None),
           "advantage_raw_mean_window": mean(window["advantage_raw_mean"]),
           "critic_warmup_explained_variance": run.get("critic_warmup_explained_variance")}
 
@@ -122,7 +126,7 @@ def diagnosis(results: dict) -> dict:
                                 if reference and name != REFERENCE else None),
         **{key: study.spread([r[key] for r in readings.values() if r[key] is not None])
            for key in ("kl_behavior_window_mean", "kl_behavior_window_last", "entropy_window_max",
-                       "clip_fraction_mean", "explained_variance_window_mean", "advantage_raw_mean_window",
+                       "clip_fraction_mean", "explained_variance_window_median", "advantage_raw_mean_window",
                        "critic_warmup_explained_variance")},
     }
   return out
@@ -131,7 +135,7 @@ def diagnosis(results: dict) -> dict:
 def table(results: dict, readings: dict) -> str:
   f = study._fmt
   lines = ["| cell | seeds | final accuracy | − vtrace (paired) | AUC | collapsed | Fisher p vs vtrace | "
-           "KL(μ‖π) in the lag window | entropy max (window) | clip fraction | value EV (window) | "
+           "KL(μ‖π) in the lag window | entropy max (window) | clip fraction | value EV (window median) | "
            "EV after critic warm-up |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for name, entry in results["cells"].items():
@@ -144,7 +148,7 @@ def table(results: dict, readings: dict) -> str:
                  f"{f(a['auc'])} | {r['collapsed']}/{r['seeds']}{at} | {p} | "
                  f"{f(r['kl_behavior_window_mean'], 4)} | "
                  f"{f(r['entropy_window_max'])} | {f(r['clip_fraction_mean'])} | "
-                 f"{f(r['explained_variance_window_mean'])} | {f(r['critic_warmup_explained_variance'])} |")
+                 f"{f(r['explained_variance_window_median'])} | {f(r['critic_warmup_explained_variance'])} |")
   return "\n".join(lines)
 
 
