@@ -121,3 +121,17 @@ def test_number_pairs_from_the_command_line_accept_inf():
   raw.estimator.rho_clip = ("(0.5, x)",)
   with pytest.raises(ValueError, match=r"config.estimator.rho_clip must be a tuple like \(0.5, 2.0\)"):
     config_lib.from_config_dict(raw)
+
+
+def test_sync_ppo_refuses_every_mode_but_sync():
+  from configs import common, staleness_sweep
+  raw = common.train_config("sync_ppo")
+  assert raw.trainer.mode == "sync"                 # the config files give it sync mode by default
+  config_lib.from_config_dict(raw)
+  for mode in ("async", "lag"):
+    raw.trainer.mode = mode
+    with pytest.raises(ValueError, match=r"config.trainer.mode: preset 'sync_ppo' is defined by staleness 0 and "
+                                         rf"runs only in mode 'sync'; got '{mode}'"):
+      config_lib.from_config_dict(raw)
+  with pytest.raises(ValueError, match="preset 'sync_ppo' is defined by staleness 0"):
+    config_lib.from_config_dict(staleness_sweep.get_config("sync_ppo,16"))

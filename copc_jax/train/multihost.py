@@ -8,6 +8,7 @@ function here is a no-op or the identity.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import jax
@@ -19,10 +20,28 @@ def is_chief() -> bool:
   return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-  """Every process waits here until all have arrived."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
+BARRIER_TIMEOUT_S = 6 * 3600
+_barriers = itertools.count()
+
+
+def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+  """Every process waits here until all have arrived.
+
+  A barrier of the coordination service, not a collective: the chief may arrive minutes after the
+  others (it evaluates, saves and pushes alone), and a process that waits that long inside a CPU
+  collective instead fails when Gloo's context setup times out after 30 s (the cause of the
+  two-process trainer test's failures on a loaded machine). Every process calls the barriers in the
+  same order, so the running count makes each name unique.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed  # the runtime `jax.distributed.initialize` started
+  client = distributed.global_state.client
+  key = f"copc_jax/{next(_barriers)}/{name}"
+  if client is None:                   # not started by jax.distributed (e.g. a launcher of its own)
+    multihost_utils.sync_global_devices(key)
+    return
+  client.wait_at_barrier(key, int(timeout_s * 1000))
 
 
 def gather_json(value) -> list:

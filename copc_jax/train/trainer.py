@@ -551,12 +551,14 @@ class Evaluator:
 
   def __call__(self, version: int, actor) -> dict:
     self.weights.push(version, actor)
-    if not multihost.is_chief():
-      return {}
-    episodes = rollouts.collect(self.runner, self.records, self.workers, greedy=True)
-    return {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
-            "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
-            "eval_version": version}
+    result = {}
+    if multihost.is_chief():
+      episodes = rollouts.collect(self.runner, self.records, self.workers, greedy=True)
+      result = {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
+                "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
+                "eval_version": version}
+    multihost.barrier(f"evaluation {version}")     # the others wait here, not inside the next collective
+    return result
 
 
 def _check_finite(row: dict) -> None:

@@ -82,7 +82,8 @@ def test_async_collection_never_hands_out_stale_episodes(tokenizer, task, max_st
   seen = []
   try:
     for version in range(12):
-      episodes, staleness = collector.take(batch, version)
+      units, staleness = collector.take(batch, version)           # groups of one episode each
+      episodes = [episode for unit in units for episode in unit]
       token_staleness = [version - v for e in episodes for v, m in zip(e.trajectory.versions,
                                                                        e.trajectory.mask) if m]
       seen += token_staleness
