@@ -130,8 +130,9 @@ def test_sync_ppo_refuses_every_mode_but_sync():
   config_lib.from_config_dict(raw)
   for mode in ("async", "lag"):
     raw.trainer.mode = mode
-    with pytest.raises(ValueError, match=r"config.trainer.mode: preset 'sync_ppo' is defined by staleness 0 and "
-                                         rf"runs only in mode 'sync'; got '{mode}'"):
+    message = (r"config.trainer.mode: preset 'sync_ppo' is defined by staleness 0 and runs only in mode "
+               rf"'sync'; got '{mode}'")
+    with pytest.raises(ValueError, match=message):
       config_lib.from_config_dict(raw)
   with pytest.raises(ValueError, match="preset 'sync_ppo' is defined by staleness 0"):
     config_lib.from_config_dict(staleness_sweep.get_config("sync_ppo,16"))
