@@ -75,8 +75,15 @@ def test_aggregate_counts_only_seeds_that_reached_the_target():
                 "mask_fraction_mean": 0.0, "ess_mean": 1.0, "staleness_mean": 4.0, "reward_last_10": 0.7}}
   a = study.aggregate(runs)
   assert a["final_eval_accuracy"]["mean"] == pytest.approx(0.6)
-  assert a["final_eval_accuracy"]["std"] == pytest.approx(0.1)
-  assert a["updates_to_target"] == {"mean": 10.0, "std": 0.0, "min": 10.0, "max": 10.0, "n": 1}
+  assert a["final_eval_accuracy"]["std"] == pytest.approx(0.2 / 2 ** 0.5)          # sample std (n − 1)
+  assert a["final_eval_accuracy"]["ci95"] == pytest.approx(12.7062 * 0.1, rel=1e-4)  # t(0.975, 1) · s / √2
+  assert a["updates_to_target"] == {"mean": 10.0, "std": None, "ci95": None, "min": 10.0, "max": 10.0, "n": 1}
+
+
+def test_fisher_test_of_collapse_counts():
+  """2 of 3 against 1 of 3 collapsed: the exact test cannot tell them apart (the issue's example)."""
+  assert study.fisher_collapses(2, 3, 1, 3) == pytest.approx(1.0)
+  assert study.fisher_collapses(4, 4, 0, 4) == pytest.approx(2 / 70)     # two-sided: both extreme tables
 
 
 def test_collapse_is_a_drop_that_does_not_recover():

@@ -197,7 +197,7 @@ def render_rl(results: dict, here: str = HERE, name: str = "results") -> None:
     i, j = rows.index(row_of(cell["overrides"])), columns.index(column_of(cell["overrides"]))
     stat = cell.get("aggregate", {}).get("final_eval_accuracy")
     if stat:
-      mean[i, j], std[i, j] = stat["mean"], stat["std"]
+      mean[i, j], std[i, j] = stat["mean"], np.nan if stat["std"] is None else stat["std"]
   fig, axes = plt.subplots(1, 2, figsize=(9, 4))
   heatmap(axes[0], mean.tolist(), rows, columns, "final held-out accuracy (mean)", fmt="{:.3f}")
   heatmap(axes[1], std.tolist(), rows, columns, "seed std", fmt="{:.3f}", cmap="magma")
