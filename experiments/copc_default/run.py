@@ -90,7 +90,8 @@ def figure(results: dict, path: str) -> None:
     stats = [cell["candidates"].get(name) if name in names else cell["best_preset"]
              for cell in results["cells"].values()]
     x = np.arange(len(labels)) + (i - len(names) / 2) * width
-    ax.bar(x, [s["mean"] if s else np.nan for s in stats], width, yerr=[(s["std"] or 0) if s else 0 for s in stats],
+    ax.bar(x, [s["mean"] if s else np.nan for s in stats], width,
+           yerr=[(s["std"] or 0) if s else 0 for s in stats],
            label=name, color="0.6" if name not in names else None, capsize=2)
   ax.set_xticks(np.arange(len(labels)), labels, fontsize=8)
   ax.set_ylabel("final held-out accuracy")
