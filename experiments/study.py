@@ -312,6 +312,18 @@ def _run(cells, seeds, config, root, out, common, target, description, servers) 
   return results
 
 
+def resummarise(results: dict, root: str) -> dict:
+  """Every run whose workdir is still under `root` summarised again from its rows by this commit's
+  `summarise` (what a run measured does not change; what the study derives from its rows may)."""
+  for name, entry in results["cells"].items():
+    for seed, run in entry["runs"].items():
+      workdir = os.path.join(root, name, f"seed{seed}")
+      if os.path.exists(os.path.join(workdir, "summary.json")):
+        entry["runs"][seed] = {**run, **summarise(workdir, results["target_accuracy"])}
+    entry["aggregate"] = aggregate(entry["runs"])
+  return results
+
+
 def write_benchmark(path: str, results: dict) -> None:
   """A benchmark's `results` as JSON, with the command, commit and machine that produced them."""
   write_json(path, {**results, "command": " ".join(["python", *sys.argv]), "git_commit": git_commit(),

@@ -168,8 +168,10 @@ def figure(results: dict, path: str, names: list[str]) -> None:
         values = _series(run, key)
         ax.plot(np.arange(1, len(values) + 1), values, color=line.get_color(), lw=0.8)
     row[0].set_ylabel(name, fontsize=8)
-    for ax, title in zip(row, ["held-out accuracy"] + [t for _, t in SERIES], strict=True):
+    for ax, (key, title) in zip(row, [("", "held-out accuracy"), *SERIES], strict=True):
       ax.set_title(title, fontsize=8)
+      if key == "value_explained_variance":
+        ax.set_ylim(-1, 1)          # a batch whose targets barely vary gives huge negative values
       ax.axvline(LAG, color="grey", lw=0.6, ls=":")
       ax.tick_params(labelsize=7)
       ax.grid(alpha=0.3)
@@ -199,16 +201,20 @@ def main():
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--cells", nargs="+", choices=list(CELLS), help="run only these cells")
   parser.add_argument("--render", action="store_true")
+  parser.add_argument("--resummarise", action="store_true",
+                      help="with --render: summarise every run again from its workdir's rows under --root")
   parser.add_argument("--root", default=None)
   args = parser.parse_args()
   config, target = TASKS[args.task]
   out = os.path.join(HERE, f"results_{args.task}.json")
+  root = args.root or os.path.join(tempfile.gettempdir(), f"copc_collapse_diagnosis_{args.task}")
   if args.render:
     with open(out) as f:
-      results = render(json.load(f), args.task)
-    study.write_json(out, results)
+      results = json.load(f)
+    if args.resummarise:
+      results = study.resummarise(results, root)
+    study.write_json(out, render(results, args.task))
     return
-  root = args.root or os.path.join(tempfile.gettempdir(), f"copc_collapse_diagnosis_{args.task}")
   results = study.run(cells(args.cells or list(CELLS)), args.seeds, config=config, root=root, out=out,
                       common={**COMMON, "trainer.steps": args.updates}, target=target,
                       description=f"collapse diagnosis at lag {LAG} on {args.task}")
