@@ -181,16 +181,18 @@ def figure(results: dict, path: str, names: list[str]) -> None:
   plt.close(fig)
 
 
-def render(results: dict, task: str) -> dict:
+def render(results: dict, name: str = "results_search", here: str = HERE) -> dict:
+  """Tables and the figure of `results_<task>.json` into `here`'s README (between `<task>` markers)."""
+  task = name.removeprefix("results_")
   readings = diagnosis(results)
   results["diagnosis"] = readings
-  figure(results, os.path.join(HERE, f"{task}.png"), list(CELLS)[:8])
+  figure(results, os.path.join(here, f"{task}.png"), list(CELLS)[:8])
   text = (f"**{task}** (`{results['config']}`), lag {LAG}, {results['common_overrides'].get('trainer.steps')} "
           f"updates per run, seeds {sorted({s for e in results['cells'].values() for s in e['runs']})}; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. "
           f"Mean ± half-width of the 95% t interval over seeds; paired differences per seed.\n\n"
           + table(results, readings) + f"\n\n![{task}]({task}.png)")
-  study.write_between_markers(os.path.join(HERE, "README.md"), task, text)
+  study.write_between_markers(os.path.join(here, "README.md"), task, text)
   return results
 
 
@@ -213,12 +215,12 @@ def main():
       results = json.load(f)
     if args.resummarise:
       results = study.resummarise(results, root)
-    study.write_json(out, render(results, args.task))
+    study.write_json(out, render(results, f"results_{args.task}"))
     return
   results = study.run(cells(args.cells or list(CELLS)), args.seeds, config=config, root=root, out=out,
                       common={**COMMON, "trainer.steps": args.updates}, target=target,
                       description=f"collapse diagnosis at lag {LAG} on {args.task}")
-  study.write_json(out, render(results, args.task))
+  study.write_json(out, render(results, f"results_{args.task}"))
 
 
 if __name__ == "__main__":
