@@ -343,7 +343,9 @@ def _fmt(stat, digits=3) -> str:
   """mean ± half-width of the 95% interval over seeds (mean alone for one seed)."""
   if stat is None:
     return "–"
-  if stat.get("ci95") is None:
+  if "ci95" not in stat:            # JSON of the studies before intervals: population std, as rendered then
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+  if stat["ci95"] is None:
     return f"{stat['mean']:.{digits}f}"
   return f"{stat['mean']:.{digits}f} ± {stat['ci95']:.{digits}f}"
 
@@ -352,7 +354,11 @@ def paired_difference(results: dict, name: str, reference: str, key: str = "fina
   """`spread` over the seeds both cells ran of (cell − reference): seeds differ far more than methods,
   and every cell of a seed starts from that seed's warm start."""
   runs, ref = results["cells"][name]["runs"], results["cells"][reference]["runs"]
-  return spread([runs[s][key] - ref[s][key] for s in runs if s in ref])
+  values = [runs[s][key] - ref[s][key] for s in runs if s in ref]
+  stored = results["cells"][name].get("aggregate", {}).get(key)
+  if stored is not None and "ci95" not in stored and values:   # a study run before intervals: as then
+    return {"mean": float(np.mean(values)), "std": float(np.std(values)), "n": len(values)}
+  return spread(values)
 
 
 INF = float("inf")
