@@ -141,7 +141,8 @@ def behavior_weights(ratio_bt, config: ActorLossConfig, mask_ratio_bt=None):
   return inside_bt.astype(ratio_bt.dtype)
 
 
-def _masked_stats(x_bt, valid_bt):
+def masked_stats(x_bt, valid_bt):
+  """(mean, std, count) of `x_bt` over `valid_bt`."""
   valid_f = valid_bt.astype(jnp.float32)
   count = jnp.maximum(valid_f.sum(), 1.0)
   mean = jnp.where(valid_bt, x_bt, 0.0).sum() / count
@@ -216,9 +217,9 @@ def actor_loss(logp_theta, logp_prox, logp_behavior, advantages, mask,
   policy_weight_bt = jnp.where(clip_active_bt, 0.0, weight_bt * q_bt)
   mask_f = mask.astype(jnp.float32)
   n_tokens = jnp.maximum(mask_f.sum(), 1.0)
-  ratio_mean, _, n_valid = _masked_stats(ratio_bt, valid_bt)
-  ratio_sq_mean, _, _ = _masked_stats(jnp.square(ratio_bt), valid_bt)
-  adv_mean, adv_std, _ = _masked_stats(advantages, valid_bt)
+  ratio_mean, _, n_valid = masked_stats(ratio_bt, valid_bt)
+  ratio_sq_mean, _, _ = masked_stats(jnp.square(ratio_bt), valid_bt)
+  adv_mean, adv_std, _ = masked_stats(advantages, valid_bt)
   diagnostics = {
       "actor_loss": loss,
       "masked_fraction": (mask & (weight_bt == 0)).sum() / n_tokens,
@@ -232,8 +233,8 @@ def actor_loss(logp_theta, logp_prox, logp_behavior, advantages, mask,
       "advantage_mean": adv_mean,
       "advantage_std": adv_std,
       # KL(μ‖π_θ) on μ's samples, k3 estimator (x − 1 − log x with x = π_θ/μ), over the policy tokens.
-      "kl_behavior": _masked_stats(current_bt - 1.0 - jnp.where(valid_bt, log_current_bt, 0.0), valid_bt)[0],
-      "policy_weight_mean": _masked_stats(policy_weight_bt, valid_bt)[0],
+      "kl_behavior": masked_stats(current_bt - 1.0 - jnp.where(valid_bt, log_current_bt, 0.0), valid_bt)[0],
+      "policy_weight_mean": masked_stats(policy_weight_bt, valid_bt)[0],
   }
   if reference_advantages is not None:
     diagnostics.update(bias_decomposition(
@@ -258,7 +259,7 @@ def bias_decomposition(policy_weight_bt, advantages_bt, reference_advantages_bt,
       "bias_coupled": weight_error_bt * advantage_error_bt,
       "variance_amplification": jnp.square(policy_weight_bt * advantage_error_bt),
   }
-  return {name: _masked_stats(x_bt, valid_bt)[0] for name, x_bt in terms.items()}
+  return {name: masked_stats(x_bt, valid_bt)[0] for name, x_bt in terms.items()}
 
 
 def value_loss(values, old_values, returns, mask, config: ValueLossConfig):
@@ -272,9 +273,9 @@ def value_loss(values, old_values, returns, mask, config: ValueLossConfig):
     error_bt = jnp.maximum(error_bt, jnp.square(clipped_bt - returns))
   loss = 0.5 * aggregate(error_bt, mask, config.aggregation)
   mask = jnp.asarray(mask, bool)
-  returns_var = _masked_stats(returns, mask)[1] ** 2
+  returns_var = masked_stats(returns, mask)[1] ** 2
   # 1 − Var(G − V)/Var(G); undefined (NaN, logged as null) when the targets barely vary (e.g. every
   # episode of the batch got the same reward), where the ratio would be noise over ~0.
-  explained = jnp.where(returns_var > 1e-6, 1.0 - _masked_stats(returns - values, mask)[1] ** 2
+  explained = jnp.where(returns_var > 1e-6, 1.0 - masked_stats(returns - values, mask)[1] ** 2
                         / jnp.maximum(returns_var, 1e-6), jnp.nan)
   return loss, {"value_loss": loss, "value_explained_variance": explained}

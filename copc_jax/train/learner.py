@@ -117,9 +117,7 @@ def _take(batch: TrajectoryBatch, extra: dict, index):
 
 def _masked_summary(x_bt, mask_bt, prefix: str) -> dict:
   """Mean, std, min and max of `x_bt` over `mask_bt`, named `prefix_mean` etc."""
-  count = jnp.maximum(mask_bt.sum(), 1)
-  mean = jnp.where(mask_bt, x_bt, 0.0).sum() / count
-  std = jnp.sqrt(jnp.where(mask_bt, jnp.square(x_bt - mean), 0.0).sum() / count)
+  mean, std, _ = losses.masked_stats(x_bt, mask_bt)
   return {f"{prefix}_mean": mean, f"{prefix}_std": std,
           f"{prefix}_min": jnp.where(mask_bt, x_bt, jnp.inf).min(),
           f"{prefix}_max": jnp.where(mask_bt, x_bt, -jnp.inf).max()}
@@ -135,13 +133,13 @@ def advantages_and_returns(batch: TrajectoryBatch, logp_prox, old_values, config
     per_sequence_b = estimators.group_advantages(batch.rewards.sum(axis=1), batch.group_ids[:, 0],
                                                  method=estimator.group_method)
     advantages = jnp.where(batch.mask, per_sequence_b[:, None], 0.0)
-  ratio_bt = jnp.exp(jnp.where(batch.mask, logp_prox - batch.behavior_logprobs, 0.0))
+  log_ratio_bt = jnp.where(batch.mask, logp_prox - batch.behavior_logprobs, 0.0)
+  ratio_bt = jnp.exp(log_ratio_bt)
   kept_bt = batch.mask & (losses.behavior_weights(ratio_bt, config.actor) != 0)
   metrics = _masked_summary(advantages, batch.mask, "advantage_raw")
   advantages = estimators.whiten(advantages, kept_bt, mode=estimator.whiten,
                                  carried_ratio=jnp.clip(ratio_bt, *estimator.rho_clip),
                                  min_std=estimator.whiten_min_std)
-  log_ratio_bt = jnp.where(batch.mask, logp_prox - batch.behavior_logprobs, 0.0)
   finite_bt = batch.mask & jnp.isfinite(log_ratio_bt)
   metrics.update({
       "returns_mean": losses.aggregate(returns, batch.mask, "token_mean"),
