@@ -31,10 +31,12 @@ class ServerProcess:
   def __init__(self, checkpoint: str, *, slots: int = 4, max_prefill_length: int = 64,
                max_length: int = 256, seed: int = 0, version: int = 0, log_path: str | None = None,
                platform: str = "cpu", tensor_parallelism: int = -1, decode_steps: int = 1,
-               launcher: tuple[str, ...] = (), token: str | None = None, weights_roots: tuple[str, ...] = ()):
+               launcher: tuple[str, ...] = (), token: str | None = None, weights_roots: tuple[str, ...] = (),
+               tls: tuple[str, str, str] | None = None):
     """`launcher`: a command prefix the server runs under (e.g. a container that sees other files);
     `token`: the token it requires (None: a fresh random one); `weights_roots`: the only directories it
-    reads pushed paths from (empty: any)."""
+    reads pushed paths from (empty: any); `tls`: (certificate chain, private key, CA) PEM files: it
+    serves over TLS only, and `client()` checks its certificate against the CA."""
     self._ready_dir = tempfile.TemporaryDirectory(prefix="copc_server_")
     self._ready_file = os.path.join(self._ready_dir.name, "port")
     self.log_path = log_path or os.path.join(self._ready_dir.name, "server.log")
@@ -44,7 +46,9 @@ class ServerProcess:
                f"--max_length={max_length}", f"--seed={seed}", f"--version={version}",
                f"--tensor_parallelism={tensor_parallelism}", f"--decode_steps={decode_steps}",
                f"--ready_file={self._ready_file}", "--exit_with_parent",
-               *([f"--weights_root={','.join(weights_roots)}"] if weights_roots else [])]
+               *([f"--weights_root={','.join(weights_roots)}"] if weights_roots else []),
+               *([f"--tls_cert={tls[0]}", f"--tls_key={tls[1]}"] if tls else [])]
+    self._tls_root_certificates = tls[2] if tls else ""
     self._log = open(self.log_path, "a")
     self.token = token or auth.new_token()
     self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
@@ -75,7 +79,8 @@ class ServerProcess:
 
   def client(self, timeout_s: float = 300.0) -> RolloutClient:
     """A client of this server (carrying its token)."""
-    return RolloutClient(self.address, timeout_s, token=self.token)
+    return RolloutClient(self.address, timeout_s, token=self.token,
+                         tls_root_certificates=self._tls_root_certificates)
 
   def log_tail(self, lines: int = 30) -> str:
     with open(self.log_path) as f:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 from copc_jax.models import tiny
 from copc_jax.rollout import auth
 from copc_jax.rollout.client import RolloutClient
+from copc_jax.rollout.pool import RolloutPool
 from copc_jax.rollout.process import ServerProcess
 from copc_jax.rollout.protocol import SERVICE
 
@@ -150,6 +152,51 @@ def test_shared_memory_versions_are_owner_only_under_unguessable_names():
         (os.makedirs(tmp), open(os.path.join(tmp, "model.safetensors"), "wb").close()), tmp))
     assert stat.S_IMODE(os.stat(os.path.join(target, "model.safetensors")).st_mode) == 0o600
   finally:
-    import shutil
     shutil.rmtree(first, ignore_errors=True)
     shutil.rmtree(second, ignore_errors=True)
+
+
+def _self_signed(directory, name: str) -> tuple[str, str]:
+  """A certificate for 127.0.0.1 signed by its own key (it is its own CA), with `openssl`."""
+  cert, key = str(directory / f"{name}.pem"), str(directory / f"{name}.key")
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", key,
+                  "-out", cert, "-subj", "/CN=localhost",
+                  "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                 check=True, capture_output=True)
+  return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+def test_tls_serves_only_callers_that_speak_tls_trust_its_certificate_and_carry_the_token(tmp_path):
+  cert, key = _self_signed(tmp_path, "server")
+  other_ca, _ = _self_signed(tmp_path, "other")
+  tiny.make_tiny_checkpoint(str(tmp_path / "model"), "qwen2", seed=0)
+  process = ServerProcess(str(tmp_path / "model"), slots=2, max_prefill_length=16, max_length=32,
+                          tls=(cert, key, cert))
+  try:
+    process.wait_ready()
+    owner = process.client()
+    before = owner.status()
+    assert len(owner.generate([1, 5], max_tokens=2).token_ids) == 2
+    channels = {"plaintext": auth.client_channel(process.address, process.token),
+                "untrusted certificate": auth.client_channel(process.address, process.token,
+                                                             tls_root_certificates=other_ca),
+                "no token": auth.client_channel(process.address, None, tls_root_certificates=cert)}
+    expected = {"plaintext": grpc.StatusCode.UNAVAILABLE, "untrusted certificate": grpc.StatusCode.UNAVAILABLE,
+                "no token": grpc.StatusCode.UNAUTHENTICATED}
+    for name, channel in channels.items():
+      for call, rpc in _raw_calls(channel).items():
+        with pytest.raises(grpc.RpcError) as info:
+          rpc()
+        assert info.value.code() == expected[name], (name, call)
+      channel.close()
+    after = owner.status()
+    assert (after["version"], after["weight_swaps"]) == (before["version"], before["weight_swaps"])
+    owner.close()
+    pool = RolloutPool(addresses=[process.address], token=process.token, tls_root_certificates=cert)
+    try:
+      assert len(pool.generate([1, 5], max_tokens=2).token_ids) == 2
+    finally:
+      pool.close()
+  finally:
+    process.stop()
