@@ -38,32 +38,42 @@ def servers_of(workdir) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["critic_warmup", "updates"])
+@pytest.mark.parametrize("moment", ["warm_start", "critic_warmup", "updates"])
 def test_the_main_command_killed_at_a_random_moment_resumes(tmp_path, moment):
-  """SIGKILL during the critic warm-up (before the step-0 checkpoint) or among the first updates: the
-  same command continues, every update row appears once, and no row is deleted (rows of a run killed
-  before its first checkpoint are moved into previous_<time>/). SIGKILL mid-save: test_checkpoint.py."""
+  """SIGKILL during the warm start (its demonstrations written, its model not yet), the critic warm-up
+  (before the step-0 checkpoint) or among the first updates: the same command continues, every update
+  row appears once, and no row is deleted (rows of a run killed before its first checkpoint are moved
+  into previous_<time>/). SIGKILL mid-save: test_checkpoint.py."""
   workdir = tmp_path / "run"
   env = {**os.environ, "XLA_FLAGS": ""}
   first = subprocess.Popen(main_command(workdir, 8), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
-  reached = {"critic_warmup": lambda rows: any("critic_warmup_step" in r for r in rows),
-             "updates": lambda rows: len(metrics.update_rows(rows)) >= 2}[moment]
-  assert wait_until(lambda: reached(metrics.read_metrics(str(workdir))) or first.poll() is not None,
+  warm_start = workdir / "warm_start"
+  rows = lambda: metrics.read_metrics(str(workdir))
+  reached = {"warm_start": lambda: (warm_start / "demonstrations.jsonl").exists(),
+             "critic_warmup": lambda: any("critic_warmup_step" in r for r in rows()),
+             "updates": lambda: len(metrics.update_rows(rows())) >= 2}[moment]
+  assert wait_until(lambda: reached() or first.poll() is not None,
                     timeout_s=400, interval_s=0.05), f"no {moment} row within 400 s"
   assert first.poll() is None, first.stderr.read()[-3000:]
-  time.sleep(random.uniform(0.0, 1.0))                    # somewhere in a step, a push or a checkpoint
+  if moment != "warm_start":
+    time.sleep(random.uniform(0.0, 1.0))                  # somewhere in a step, a push or a checkpoint
   first.send_signal(signal.SIGKILL)
   first.wait()
+  warm_start_done = (warm_start / "model").exists()
   assert wait_until(lambda: not servers_of(workdir), timeout_s=15), "the servers outlived the trainer"
   before = metrics.read_metrics(str(workdir))
-  killed_at = max(r["step"] for r in before)
+  killed_at = max((r["step"] for r in before), default=0)
 
   second = subprocess.run(main_command(workdir, 8), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
   assert second.returncode == 0, second.stderr[-3000:]
   rows = metrics.read_metrics(str(workdir))
-  if "resumed from step" in second.stderr:
+  # a warm start killed before its model was written is trained again; a finished one is reused
+  assert ("warm start: reusing" in second.stderr) == warm_start_done
+  if moment == "warm_start" and not before:                # killed before any row: nothing to move aside
+    assert not [p for p in workdir.iterdir() if p.name.startswith("previous_")]
+  elif "resumed from step" in second.stderr:
     resumed_from = int(second.stderr.split("resumed from step ")[1].split()[0])
     assert 0 <= resumed_from <= killed_at
   else:                                                  # killed before the step-0 checkpoint
