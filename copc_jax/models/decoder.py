@@ -3,6 +3,13 @@
     logits = Decoder(config, rngs=...)(input_ids_bt)                 # [B, T] → [B, T, V] float32
     logits, cache = model.decode(ids_bt, positions_bt, cache)       # incremental decoding
     values = ValueModel(config, rngs=...)(input_ids_bt)              # [B, T] float32
+
+At scale (`Backbone`'s options): `dtype` computes (bfloat16 on accelerators), `param_dtype` stores
+(float32 master weights); `remat` recomputes each block in the backward pass (a policy name of
+`REMAT_POLICIES`); `scan_layers` runs the blocks as one `lax.scan` over their stacked weights, so
+compile time does not grow with depth (the parameters stay one module per layer: checkpoints,
+Hugging Face names and weight pushes do not change); `attention` picks the kernel
+(`models/attention.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +20,19 @@ from flax import nnx, struct
 
 from copc_jax.models.config import ModelConfig
 from copc_jax.models.layers import Block, Linear, RMSNorm, rope_inverse_frequencies
+
+# remat policy name → what the backward pass keeps of a block (None: nothing but its input)
+REMAT_POLICIES = {"none": None, "full": None,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "dots_saveable": jax.checkpoint_policies.dots_saveable}
+
+
+def remat_policy_name(remat) -> str:
+  """`remat` as a policy name: True → "full", False → "none"."""
+  name = {True: "full", False: "none"}.get(remat, remat) if isinstance(remat, bool) else remat
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}; got {remat!r}")
+  return name
 
 
 @struct.dataclass
@@ -46,7 +66,7 @@ def _write_at_rows(past, new, slots_b):
   return past.at[jnp.arange(past.shape[0]), slots_b].set(new[:, 0].astype(past.dtype))
 
 
-def _block_forward(block: Block, x, positions, inv_freq, visible, past_kv=None, where=None):
+def _block_forward(block: Block, x, positions, inv_freq, visible, past_kv=None, where=None, segment_ids=None):
   """One pre-norm block; with `past_kv` the new keys/values are first written into it.
 
   `where` is an int (one slot index for the whole batch) or an int array [B] (one slot per row).
@@ -56,7 +76,7 @@ def _block_forward(block: Block, x, positions, inv_freq, visible, past_kv=None, 
   if past_kv is not None:
     write = _write_at_index if jnp.ndim(where) == 0 else _write_at_rows
     k, v = write(past_kv[0], k, where), write(past_kv[1], v, where)
-  x = x + block.self_attn(h, positions, inv_freq, k, v, visible)
+  x = x + block.self_attn(h, positions, inv_freq, k, v, visible, segment_ids)
   x = x + block.mlp(block.post_attention_layernorm(x))
   return x, (k, v)
 
@@ -64,39 +84,85 @@ def _block_forward(block: Block, x, positions, inv_freq, visible, past_kv=None, 
 class Backbone(nnx.Module):
   """Embedding, decoder blocks and final norm: token ids → hidden states."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=None,
+               remat=False, scan_layers: bool = False, attention: str = "reference"):
     self.config = config
-    self.dtype = dtype
-    self.remat = remat
+    self.dtype = jnp.dtype(dtype)
+    self.param_dtype = jnp.dtype(param_dtype or dtype)
+    self.remat = remat_policy_name(remat)
+    self.scan_layers = scan_layers
+    self.attention = attention
     self.embed_tokens = nnx.Param(
-        nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype),
+        nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype),
         logical_axes=("vocab", "embed"))
-    self.layers = nnx.List([Block(config, rngs=rngs, dtype=dtype) for _ in range(config.num_layers)])
-    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
+    self.layers = nnx.List([Block(config, rngs=rngs, dtype=self.param_dtype, attention=attention)
+                            for _ in range(config.num_layers)])
+    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=self.param_dtype)
 
-  def _run(self, input_ids_bt, positions_bt, visible_bts, cache: KVCache | None, where=None):
+  @property
+  def options(self) -> dict:
+    """The keyword arguments that build a backbone computing like this one."""
+    return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat,
+                scan_layers=self.scan_layers, attention=self.attention)
+
+  def _run(self, input_ids_bt, positions_bt, visible_bts, cache: KVCache | None, where=None,
+           segment_ids_bt=None):
     inv_freq = rope_inverse_frequencies(self.config)
     x = jnp.take(self.embed_tokens[...], input_ids_bt, axis=0).astype(self.dtype)
-    forward = nnx.remat(_block_forward) if self.remat else _block_forward
+    if self.scan_layers:
+      x, keys, values = self._scan(x, positions_bt, inv_freq, visible_bts, cache, where, segment_ids_bt)
+      return self.norm(x), keys, values
+    forward = _block_forward
+    if self.remat != "none":
+      forward = nnx.remat(_block_forward, policy=REMAT_POLICIES[self.remat])
     new_keys, new_values = [], []
     for i, block in enumerate(self.layers):
       past = None if cache is None else (cache.keys[i], cache.values[i])
-      x, (k, v) = forward(block, x, positions_bt, inv_freq, visible_bts, past, where)
+      x, (k, v) = forward(block, x, positions_bt, inv_freq, visible_bts, past, where, segment_ids_bt)
       new_keys.append(k)
       new_values.append(v)
     return self.norm(x), new_keys, new_values
 
-  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None):
-    """Hidden states [B, T, H] of a whole sequence: causal, padding keys hidden."""
+  def _scan(self, x, positions_bt, inv_freq, visible_bts, cache, where, segment_ids_bt):
+    """The blocks as one `lax.scan` over their weights stacked on a leading layer axis [L, ...]
+    (cast to the compute dtype first, so the stacked copy is half the float32 weights in bf16)."""
+    graphdef, _ = nnx.split(self.layers[0])
+    cast = lambda w: w.astype(self.dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
+    stacked = jax.tree.map(lambda *ws: jnp.stack([cast(w) for w in ws]),
+                           *[nnx.state(block) for block in self.layers])
+
+    def body(x, layer):
+      weights, past = layer
+      x, kv = _block_forward(nnx.merge(graphdef, weights), x, positions_bt, inv_freq, visible_bts, past, where,
+                             segment_ids_bt)
+      return x, (kv if cache is not None else None)    # no cache: keep no keys/values per layer
+
+    if self.remat != "none":
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    past = None if cache is None else (cache.keys, cache.values)
+    x, kv = jax.lax.scan(body, x, (stacked, past))
+    return x, *(kv if kv is not None else (None, None))
+
+  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None):
+    """Hidden states [B, T, H] of a whole sequence: causal, padding keys hidden. With
+    `segment_ids_bt` (packed sequences) a token sees only earlier tokens of its own segment; give
+    each document's positions in `positions_bt` then."""
     b, t = input_ids_bt.shape
     if attention_mask_bt is None:
       attention_mask_bt = jnp.ones((b, t), bool)
     attention_mask_bt = attention_mask_bt.astype(bool)
     if positions_bt is None:
       positions_bt = default_positions(attention_mask_bt)
-    causal_tt = jnp.tril(jnp.ones((t, t), bool))
-    visible_bts = causal_tt[None] & attention_mask_bt[:, None, :]
-    hidden, _, _ = self._run(input_ids_bt, positions_bt, visible_bts, None)
+    if segment_ids_bt is None and self.attention == "splash":
+      segment_ids_bt = attention_mask_bt.astype(jnp.int32)   # padding is a segment of its own
+    if self.attention == "splash":
+      visible_bts = None                                       # the kernel masks by segment
+    else:
+      causal_tt = jnp.tril(jnp.ones((t, t), bool))
+      visible_bts = causal_tt[None] & attention_mask_bt[:, None, :]
+      if segment_ids_bt is not None:
+        visible_bts = visible_bts & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+    hidden, _, _ = self._run(input_ids_bt, positions_bt, visible_bts, None, segment_ids_bt=segment_ids_bt)
     return hidden
 
   def decode(self, input_ids_bt, positions_bt, cache: KVCache, token_valid_bt=None):
@@ -109,8 +175,7 @@ class Backbone(nnx.Module):
     query_slots_t = cache.index + jnp.arange(t)
     visible_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_t[None, :, None])
     hidden, keys, values = self._run(input_ids_bt, positions_bt, visible_bts, cache, cache.index)
-    new_cache = KVCache(keys=jnp.stack(keys), values=jnp.stack(values), valid=valid_bs,
-                        index=cache.index + t)
+    new_cache = KVCache(keys=_stacked(keys), values=_stacked(values), valid=valid_bs, index=cache.index + t)
     return hidden, new_cache
 
   def decode_rows(self, input_ids_b, slots_b, cache: KVCache):
@@ -123,19 +188,25 @@ class Backbone(nnx.Module):
     slots_s = jnp.arange(cache.valid.shape[1])
     visible_bts = (valid_bs & (slots_s[None] <= slots_b[:, None]))[:, None, :]
     hidden, keys, values = self._run(input_ids_b[:, None], slots_b[:, None], visible_bts, cache, slots_b)
-    new_cache = KVCache(keys=jnp.stack(keys), values=jnp.stack(values), valid=valid_bs, index=cache.index)
+    new_cache = KVCache(keys=_stacked(keys), values=_stacked(values), valid=valid_bs, index=cache.index)
     return hidden, new_cache
+
+
+def _stacked(per_layer):
+  """[L, ...] from a list of per-layer arrays (the loop) or an array already stacked (the scan)."""
+  return per_layer if isinstance(per_layer, jax.Array) else jnp.stack(per_layer)
 
 
 class Decoder(nnx.Module):
   """The actor: a causal LM returning float32 logits."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, **options):
+    """`options`: `Backbone`'s (param_dtype, remat, scan_layers, attention)."""
     self.config = config
-    self.model = Backbone(config, rngs=rngs, dtype=dtype, remat=remat)
+    self.model = Backbone(config, rngs=rngs, dtype=dtype, **options)
     self.lm_head = None if config.tie_word_embeddings else Linear(
         config.hidden_size, config.vocab_size, axes=("embed", "vocab"), bias=False, rngs=rngs,
-        dtype=dtype)
+        dtype=self.model.param_dtype)
 
   def logits(self, hidden_btd):
     if self.lm_head is None:
@@ -143,8 +214,9 @@ class Decoder(nnx.Module):
                         preferred_element_type=jnp.float32)
     return self.lm_head(hidden_btd).astype(jnp.float32)
 
-  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None):
-    hidden = self.model(input_ids_bt, positions_bt=positions_bt, attention_mask_bt=attention_mask_bt)
+  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None):
+    hidden = self.model(input_ids_bt, positions_bt=positions_bt, attention_mask_bt=attention_mask_bt,
+                        segment_ids_bt=segment_ids_bt)
     return self.logits(hidden)
 
   def decode(self, input_ids_bt, positions_bt, cache: KVCache, token_valid_bt=None):
@@ -160,21 +232,23 @@ class Decoder(nnx.Module):
 class ValueModel(nnx.Module):
   """The critic: its own backbone (no submodule shared with the actor) and a scalar head."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, **options):
+    """`options`: `Backbone`'s (param_dtype, remat, scan_layers, attention)."""
     self.config = config
-    self.model = Backbone(config, rngs=rngs, dtype=dtype, remat=remat)
+    self.model = Backbone(config, rngs=rngs, dtype=dtype, **options)
     self.value_head = Linear(config.hidden_size, 1, axes=("embed", None), bias=True, rngs=rngs,
-                             dtype=dtype)
+                             dtype=self.model.param_dtype)
 
-  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None):
+  def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None):
     """V at every position [B, T], float32."""
-    hidden = self.model(input_ids_bt, positions_bt=positions_bt, attention_mask_bt=attention_mask_bt)
+    hidden = self.model(input_ids_bt, positions_bt=positions_bt, attention_mask_bt=attention_mask_bt,
+                        segment_ids_bt=segment_ids_bt)
     return self.value_head(hidden.astype(jnp.float32))[..., 0]
 
   @classmethod
-  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs, remat: bool = False) -> ValueModel:
-    """A critic whose backbone starts as a copy of the policy's, with a fresh head."""
-    critic = cls(policy.config, rngs=rngs, dtype=policy.model.dtype, remat=remat)
+  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs) -> ValueModel:
+    """A critic whose backbone starts as a copy of the policy's (computing as it does), with a fresh head."""
+    critic = cls(policy.config, rngs=rngs, **policy.model.options)
     copied = jax.tree.map(jnp.array, nnx.state(policy.model, nnx.Param))  # new buffers, not aliases
     nnx.update(critic.model, copied)
     return critic

@@ -170,10 +170,11 @@ def read_like(model: Decoder, source: str | dict[str, np.ndarray]) -> Decoder:
   return abstract
 
 
-def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_tokenizer: bool = True,
-                    mesh=None, rules=None):
+def from_pretrained(path: str, *, dtype=jnp.float32, load_tokenizer: bool = True, mesh=None, rules=None,
+                    **options):
   """A `Decoder` with the checkpoint's weights, and its tokenizer: None where `load_tokenizer` is
-  False or the directory has no tokenizer files (a model-only checkpoint).
+  False or the directory has no tokenizer files (a model-only checkpoint). `dtype` and `options`
+  (param_dtype, remat, scan_layers, attention): how the model computes and stores (`Backbone`).
 
   Each tensor goes straight to where it lives: with `mesh` (and sharding `rules`, default
   `sharding.DEFAULT_RULES`) into its sharding over the mesh, otherwise onto the first device. The
@@ -186,7 +187,7 @@ def from_pretrained(path: str, *, dtype=jnp.float32, remat: bool = False, load_t
   if getattr(hf_config, "use_sliding_window", False):
     raise ValueError(f"{path}: sliding-window attention is not supported")
   config = ModelConfig.from_hf(hf_config)
-  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), dtype=dtype, **options))
   state = nnx.state(model)
   if mesh is None:
     placements = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state)

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from copc_jax.models.attention import attention, check_implementation
 from copc_jax.models.config import ModelConfig
-
-NEG_INF = -1e30  # finite, so a query row with no visible key gives a uniform softmax, not NaN
 
 
 def _param(rngs, init, shape, axes, dtype):
@@ -79,9 +78,10 @@ def apply_rope(x_bthd, positions_bt, inv_freq):
 class Attention(nnx.Module):
   """Grouped-query attention with optional q/k/v biases (Qwen2)."""
 
-  def __init__(self, config: ModelConfig, *, rngs, dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs, dtype=jnp.float32, implementation: str = "reference"):
     h, d = config.hidden_size, config.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+    self.implementation = check_implementation(implementation)
     self.q_proj = Linear(h, config.num_heads * d, axes=("embed", "heads"), bias=config.qkv_bias,
                          rngs=rngs, dtype=dtype)
     self.k_proj = Linear(h, config.num_kv_heads * d, axes=("embed", "kv_heads"), bias=config.qkv_bias,
@@ -97,18 +97,18 @@ class Attention(nnx.Module):
     v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
     return apply_rope(k, positions_bt, inv_freq), v
 
-  def __call__(self, x_btd, positions_bt, inv_freq, keys_bshd, values_bshd, visible_bts):
-    """Attend from x's queries to the given keys/values; `visible_bts[b, t, s]` says which."""
+  def __call__(self, x_btd, positions_bt, inv_freq, keys_bshd, values_bshd, visible_bts, segment_ids_bt=None):
+    """Attend from x's queries to the given keys/values; `visible_bts[b, t, s]` says which (or, for
+    the "splash" kernel, `segment_ids_bt`: causal within a segment)."""
     b, t, _ = x_btd.shape
     q = apply_rope(self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim), positions_bt,
                    inv_freq)
-    groups = self.num_heads // self.num_kv_heads
-    q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys_bshd,
-                        preferred_element_type=jnp.float32) / math.sqrt(self.head_dim)
-    scores = jnp.where(visible_bts[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values_bshd.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values_bshd)
+    # a cache (decoding) or no segment ids: the dense mask, through the XLA or reference kernel
+    implementation = self.implementation
+    if implementation == "splash" and (segment_ids_bt is None or keys_bshd.shape[1] != t):
+      implementation = "xla"
+    out = attention(q, keys_bshd, values_bshd, visible_bts, segment_ids_bt=segment_ids_bt,
+                    implementation=implementation)
     return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -126,9 +126,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  def __init__(self, config: ModelConfig, *, rngs, dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs, dtype=jnp.float32, attention: str = "reference"):
     self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
-    self.self_attn = Attention(config, rngs=rngs, dtype=dtype)
+    self.self_attn = Attention(config, rngs=rngs, dtype=dtype, implementation=attention)
     self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, rngs=rngs,
                                             dtype=dtype)
     self.mlp = MLP(config, rngs=rngs, dtype=dtype)
