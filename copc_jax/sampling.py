@@ -102,6 +102,33 @@ def token_logprobs_and_entropy(logits_btv, tokens_bt, params: SamplingParams = S
   return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, token_entropy], axis=1)
 
 
+def token_logprobs_and_entropy_chunked(hidden_btd, project, tokens_bt,
+                                       params: SamplingParams = SamplingParams(), *, chunk: int):
+  """`token_logprobs_and_entropy(project(hidden_btd), tokens_bt, params)` computed `chunk` positions at
+  a time, each chunk's logits recomputed in the backward pass (`jax.checkpoint`): the [B, T, V]
+  float32 logits never exist at once, only [B, chunk, V]. `project`: hidden [B, c, H] → logits."""
+  b, t, d = hidden_btd.shape
+  targets_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)   # y_{t+1}
+  pad = (-t) % chunk
+  n = (t + pad) // chunk
+  hidden_nbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)
+  targets_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_chunk(hidden_bcd, targets_bc):
+    logits_bcv = project(hidden_bcd)
+    log_probs = kept_log_probs(logits_bcv.reshape(b * chunk, -1), params.temperature, params.top_p,
+                               params.top_k)
+    logp = jnp.take_along_axis(log_probs, targets_bc.reshape(-1, 1), axis=-1).reshape(b, chunk)
+    return logp, entropy(log_probs).reshape(b, chunk)
+
+  logp_nbc, entropy_nbc = jax.lax.map(lambda xs: one_chunk(*xs), (hidden_nbcd, targets_nbc))
+  unchunk = lambda x_nbc: x_nbc.swapaxes(0, 1).reshape(b, n * chunk)[:, :t - 1]   # position t predicts t + 1
+  pad_b1 = jnp.zeros((b, 1), jnp.float32)
+  return (jnp.concatenate([pad_b1, unchunk(logp_nbc)], axis=1),
+          jnp.concatenate([pad_b1, unchunk(entropy_nbc)], axis=1))
+
+
 def sampling_logprobs(logits_btv, tokens_bt, *, temperature=1.0, top_p=1.0, top_k=0):
   """log π(y_t) of tokens already in a sequence (see `token_logprobs_and_entropy`)."""
   params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)

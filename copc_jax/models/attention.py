@@ -87,9 +87,27 @@ def _splash(q_btnd, k_bskd, v_bskd, segment_ids_bt, interpret: bool):
     raise ValueError("attention='splash' is self-attention over one sequence (no cache); use 'xla' to decode")
   if t % 128 and t > 128:
     raise ValueError(f"attention='splash' needs a sequence length that is a multiple of 128; got {t}")
-  splash = _splash_kernel(n, t, interpret)
-  q = (q_btnd / np.sqrt(d).astype(q_btnd.dtype)).transpose(0, 2, 1, 3)            # [B, N, T, D]
-  k, v = k_bskd.transpose(0, 2, 1, 3), v_bskd.transpose(0, 2, 1, 3)               # [B, K, S, D]
-  segments = kernel.SegmentIds(q=segment_ids_bt.astype(jnp.int32), kv=segment_ids_bt.astype(jnp.int32))
-  out = jax.vmap(lambda q, k, v, s: splash(q, k, v, segment_ids=s))(q, k, v, segments)
-  return out.transpose(0, 2, 1, 3).astype(q_btnd.dtype)
+  q_btnd = q_btnd / np.sqrt(d).astype(q_btnd.dtype)
+  kv_heads = k_bskd.shape[2]
+
+  def local(q_btnd, k_bskd, v_bskd, segment_ids_bt):
+    splash = _splash_kernel(q_btnd.shape[2], t, interpret)
+    q = q_btnd.transpose(0, 2, 1, 3)                                         # [B, N, T, D]
+    k, v = k_bskd.transpose(0, 2, 1, 3), v_bskd.transpose(0, 2, 1, 3)      # [B, K, S, D]
+    ids = segment_ids_bt.astype(jnp.int32)
+    out = jax.vmap(lambda q, k, v, s: splash(q, k, v, segment_ids=kernel.SegmentIds(q=s, kv=s)))(q, k, v, ids)
+    return out.transpose(0, 2, 1, 3)
+
+  # A Pallas kernel is not partitioned by the compiler: under a mesh it runs per shard, rows over the
+  # batch axes and heads over `tensor` where both head counts divide it.
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return local(q_btnd, k_bskd, v_bskd, segment_ids_bt).astype(q_btnd.dtype)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  rows = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1 and b % sizes[a] == 0) or None
+  tensor = sizes.get("tensor", 1)
+  heads = "tensor" if tensor > 1 and n % tensor == 0 and kv_heads % tensor == 0 else None
+  spec = jax.sharding.PartitionSpec(rows, None, heads, None)
+  out = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(rows, None)),
+                      out_specs=spec, check_vma=False)(q_btnd, k_bskd, v_bskd, segment_ids_bt)
+  return out.astype(q_btnd.dtype)

@@ -23,6 +23,7 @@ the minibatch updates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any
@@ -34,7 +35,7 @@ from flax import nnx
 
 from copc_jax import estimators, losses, sharding
 from copc_jax.presets import EstimatorConfig
-from copc_jax.sampling import SamplingParams, token_logprobs_and_entropy
+from copc_jax.sampling import SamplingParams, token_logprobs_and_entropy, token_logprobs_and_entropy_chunked
 from copc_jax.train import multihost
 from copc_jax.train.batch import TrajectoryBatch
 
@@ -94,11 +95,24 @@ class LearnerConfig:
   epochs: int = 1
   num_minibatches: int = 1
   sampling: SamplingParams = SamplingParams()   # π_prox and π_θ under the rollouts' sampling settings
+  logits_chunk: int = 0     # > 0: log π and entropy over this many positions at a time (no [B, T, V])
 
   def __post_init__(self):
     if self.epochs < 1 or self.num_minibatches < 1:
       raise ValueError(f"epochs and num_minibatches must be >= 1; got {self.epochs}, "
                        f"{self.num_minibatches}")
+    if self.logits_chunk < 0:
+      raise ValueError(f"logits_chunk must be >= 0 (0: the whole sequence at once); got {self.logits_chunk}")
+
+
+def policy_logprobs_and_entropy(actor, batch: TrajectoryBatch, config: LearnerConfig):
+  """log π(y_t) and the entropy of π under the sampling settings, [B, T] each (position 0: 0)."""
+  if not config.logits_chunk:
+    logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
+    return token_logprobs_and_entropy(logits, batch.tokens, config.sampling)
+  hidden = actor.model(batch.tokens, attention_mask_bt=batch.attention_mask)
+  return token_logprobs_and_entropy_chunked(hidden, actor.logits, batch.tokens, config.sampling,
+                                            chunk=config.logits_chunk)
 
 
 def state_values(critic, batch: TrajectoryBatch):
@@ -161,20 +175,16 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, refe
   `update_actor = False`: the critic alone learns (the critic warm-up)."""
   actor, critic, actor_opt, critic_opt = models
   update_critic = not config.estimator.group_method
-  logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
-  logp_prox, entropy_prox = token_logprobs_and_entropy(logits, batch.tokens, config.sampling)
+  logp_prox, entropy_prox = policy_logprobs_and_entropy(actor, batch, config)
   old_values = state_values(critic, batch)
   logp_prox, old_values = jax.lax.stop_gradient((logp_prox, old_values))
   advantages, returns, batch_metrics = advantages_and_returns(batch, logp_prox, old_values, config)
   extra = dict(logp_prox=logp_prox, old_values=old_values, advantages=advantages, returns=returns)
   if reference is not None:
-    ref_logits = reference(batch.tokens, attention_mask_bt=batch.attention_mask)
-    extra["logp_ref"] = jax.lax.stop_gradient(token_logprobs_and_entropy(ref_logits, batch.tokens,
-                                                                         config.sampling)[0])
+    extra["logp_ref"] = jax.lax.stop_gradient(policy_logprobs_and_entropy(reference, batch, config)[0])
 
   def actor_loss_fn(actor, mb, mb_extra):
-    logits = actor(mb.tokens, attention_mask_bt=mb.attention_mask)
-    logp, entropy = token_logprobs_and_entropy(logits, mb.tokens, config.sampling)
+    logp, entropy = policy_logprobs_and_entropy(actor, mb, config)
     return losses.actor_loss(logp, mb_extra["logp_prox"], mb.behavior_logprobs, mb_extra["advantages"],
                              mb.mask, config.actor, entropy=entropy, logp_ref=mb_extra.get("logp_ref"))
 
@@ -222,6 +232,63 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, refe
   return metrics
 
 
+def _step_function(graphdef, reference_graphdef, config: LearnerConfig, kernel_mesh=None):
+  """The step as a function of (state, batch, rng, reference state, update_actor): what `jax.jit`
+  compiles. `kernel_mesh`: the mesh a Pallas kernel (splash attention) runs under, per shard."""
+  def step(state, batch, rng, reference_state=None, update_actor=True):
+    models = nnx.merge(graphdef, state)
+    reference = None if reference_state is None else nnx.merge(reference_graphdef, reference_state)
+    context = (jax.sharding.use_abstract_mesh(kernel_mesh.abstract_mesh) if kernel_mesh is not None
+               else contextlib.nullcontext())
+    with context:
+      metrics = _train_step(models, batch, rng, config, reference, update_actor=update_actor)
+    return nnx.state(models), metrics
+  return step
+
+
+def _kernel_mesh(actor, mesh):
+  return mesh if mesh is not None and actor.model.attention == "splash" else None
+
+
+def _optimizers(actor, critic, config: LearnerConfig):
+  return (nnx.Optimizer(actor, config.actor_optimizer.make(), wrt=nnx.Param),
+          nnx.Optimizer(critic, config.critic_optimizer.make(), wrt=nnx.Param))
+
+
+def _jit_step(step, state, reference, mesh, rules):
+  """`step` jitted with the state donated and placed by the rules over `mesh`."""
+  state_shardings = sharding.state_shardings(state, mesh, rules)
+  reference_shardings = None if reference is None else sharding.state_shardings(reference, mesh, rules)
+  jitted = jax.jit(step, donate_argnums=(0,), static_argnums=(4,),
+                   in_shardings=(state_shardings, sharding.batch_sharding(mesh, rules),
+                                 sharding.replicated(mesh), reference_shardings),
+                   out_shardings=(state_shardings, sharding.replicated(mesh)))
+  return jitted, state_shardings, reference_shardings
+
+
+def lower_train_step(make_models, config: LearnerConfig, mesh, rules=sharding.DEFAULT_RULES, *,
+                     batch_size: int, length: int, update_actor: bool = True):
+  """The sharded train step lowered for `mesh`'s devices from shapes alone (nothing is allocated):
+  `.compile()` gives the compiler's per-device memory plan and FLOPs, e.g. for a TPU slice that is not
+  there (`jax.experimental.topologies`). `make_models()` builds (actor, critic); it runs under
+  `nnx.eval_shape`. With `config.actor.kl_coef > 0` the step takes the reference copy of the actor."""
+  def build():
+    actor, critic = make_models()
+    return (actor, critic, *_optimizers(actor, critic, config))
+  models = nnx.eval_shape(build)
+  graphdef, state = nnx.split(models)
+  reference_graphdef, reference = nnx.split(models[0]) if config.actor.kl_coef > 0 else (None, None)
+  step = _step_function(graphdef, reference_graphdef, config, _kernel_mesh(models[0], mesh))
+  jitted, _, _ = _jit_step(step, state, reference, mesh, rules)
+  shape = (batch_size, length)
+  spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype)
+  batch = TrajectoryBatch(tokens=spec(jnp.int32), attention_mask=spec(jnp.bool_), mask=spec(jnp.bool_),
+                          behavior_logprobs=spec(jnp.float32), versions=spec(jnp.int32),
+                          rewards=spec(jnp.float32), group_ids=spec(jnp.int32))
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  return jitted.lower(state, batch, rng, reference, update_actor)
+
+
 class Learner:
   """Owns the actor, the critic and their optimizers; `train_step` is one jitted call."""
 
@@ -233,34 +300,22 @@ class Learner:
     self.config = config
     self.mesh = mesh
     self.rules = rules
-    reference = None
+    reference, reference_graphdef = None, None
     if config.actor.kl_coef > 0:
-      self._reference_graphdef, reference = nnx.split(actor)
+      reference_graphdef, reference = nnx.split(actor)
       reference = jax.tree.map(jnp.copy, reference)      # its own buffers: the actor's are donated
-    actor_opt = nnx.Optimizer(actor, config.actor_optimizer.make(), wrt=nnx.Param)
-    critic_opt = nnx.Optimizer(critic, config.critic_optimizer.make(), wrt=nnx.Param)
-    self.graphdef, state = nnx.split((actor, critic, actor_opt, critic_opt))
+    self.graphdef, state = nnx.split((actor, critic, *_optimizers(actor, critic, config)))
     self.rng = jax.random.key(seed)
+    step = _step_function(self.graphdef, reference_graphdef, config, _kernel_mesh(actor, mesh))
     if mesh is None:     # committed to one device like the step's outputs (step 2 reuses step 1's
       # compile), and copied: the step donates the state, which must not delete the caller's arrays
       self.state, self.reference = jax.device_put((state, reference), jax.devices()[0], may_alias=False)
-      self._step = jax.jit(self._functional_step, donate_argnums=(0,), static_argnums=(4,))
+      self._step = jax.jit(step, donate_argnums=(0,), static_argnums=(4,))
     else:
-      state_shardings = sharding.state_shardings(state, mesh, rules)
-      reference_shardings = None if reference is None else sharding.state_shardings(reference, mesh, rules)
+      self._step, state_shardings, reference_shardings = _jit_step(step, state, reference, mesh, rules)
       self.state = jax.device_put(state, state_shardings)
       self.reference = None if reference is None else jax.device_put(reference, reference_shardings)
       self._batch_sharding = sharding.batch_sharding(mesh, rules)
-      self._step = jax.jit(
-          self._functional_step, donate_argnums=(0,),
-          in_shardings=(state_shardings, self._batch_sharding, sharding.replicated(mesh), reference_shardings),
-          out_shardings=(state_shardings, sharding.replicated(mesh)), static_argnums=(4,))
-
-  def _functional_step(self, state, batch, rng, reference_state=None, update_actor=True):
-    models = nnx.merge(self.graphdef, state)
-    reference = None if reference_state is None else nnx.merge(self._reference_graphdef, reference_state)
-    metrics = _train_step(models, batch, rng, self.config, reference, update_actor=update_actor)
-    return nnx.state(models), metrics
 
   @property
   def actor(self):

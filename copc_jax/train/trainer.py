@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -42,7 +43,8 @@ from copc_jax import sharding
 from copc_jax.envs import data
 from copc_jax.envs.tasks import make_task
 from copc_jax.models import hf_io, tiny
-from copc_jax.models.decoder import ValueModel
+from copc_jax.models.attention import check_implementation
+from copc_jax.models.decoder import ValueModel, remat_policy_name
 from copc_jax.rollout import auth
 from copc_jax.rollout.agent import to_batch
 from copc_jax.rollout.pool import PoolExhausted, RolloutPool
@@ -78,10 +80,46 @@ class ModelSource:
   checkpoint: str = "tiny"      # a Hugging Face directory (config.json + safetensors), or "tiny"
   tiny_arch: str = "qwen2"      # for "tiny": built in the workdir from the seed
   tokenizer: str = ""           # a directory with tokenizer files; "" = the checkpoint's own
+  # How the learner's models compute (models/decoder.py): "auto" = bfloat16 on accelerators,
+  # float32 on the CPU; master weights in param_dtype.
+  dtype: str = "auto"
+  param_dtype: str = "float32"
+  remat: str = "none"           # none | full | dots | dots_saveable
+  scan_layers: bool = False     # one lax.scan over the blocks: compile time independent of depth
+  attention: str = "auto"       # auto (splash on TPU, xla elsewhere) | reference | xla | cudnn | splash
 
   def __post_init__(self):
     if self.tiny_arch not in ("qwen2", "llama"):
       raise ValueError(f"tiny_arch must be 'qwen2' or 'llama'; got {self.tiny_arch!r}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"model.{name} must be 'auto', 'float32' or 'bfloat16'; got {getattr(self, name)!r}")
+    remat_policy_name(self.remat)
+    if self.attention != "auto":
+      check_implementation(self.attention)
+
+  def compute_options(self, platform: str | None = None) -> dict:
+    """The keyword arguments of `Decoder` / `hf_io.from_pretrained` on `platform` (default: jax's)."""
+    platform = platform or jax.default_backend()
+    pick = lambda value, on_cpu, elsewhere: value if value != "auto" else (on_cpu if platform == "cpu"
+                                                                           else elsewhere)
+    attention = pick(self.attention, "reference", "splash" if platform == "tpu" else "xla")
+    return dict(dtype=jnp.dtype(pick(self.dtype, "float32", "bfloat16")),
+                param_dtype=jnp.dtype(pick(self.param_dtype, "float32", "float32")),
+                remat=self.remat, scan_layers=self.scan_layers, attention=attention)
+
+
+def learner_config(config) -> LearnerConfig:
+  """The learner's settings from the typed job config (method, optimizers, minibatches, sampling)."""
+  c = config.trainer
+  make_opt = lambda lr: OptimizerConfig(learning_rate=lr, max_grad_norm=c.max_grad_norm,
+                                        warmup_steps=c.warmup_steps, name=c.optimizer,
+                                        options=c.optimizer_options)
+  return LearnerConfig(estimator=config.estimator, actor=config.actor, value=config.value,
+                       actor_optimizer=make_opt(c.actor_learning_rate),
+                       critic_optimizer=make_opt(c.critic_learning_rate),
+                       epochs=c.epochs, num_minibatches=c.num_minibatches,
+                       sampling=config.rollout.sampling, logits_chunk=c.logits_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +136,7 @@ class TrainerConfig:
   num_minibatches: int = 4        # updates per batch: the PPO clip binds from the second one on
   critic_warmup_steps: int = 10   # value-only updates on the start policy's rollouts before the actor moves
   group_size: int = 1             # samples per prompt (the group presets' baseline needs >= 2)
+  logits_chunk: int = 0           # > 0: log π over this many positions at a time (no [B, T, V] logits)
   actor_learning_rate: float = 1e-4
   critic_learning_rate: float = 1e-3
   max_grad_norm: float = 1.0
@@ -219,12 +258,13 @@ class Trainer:
     self.base_checkpoint = base_checkpoint(config, self.workdir)
     mesh = self._mesh()
     actor, _ = hf_io.from_pretrained(actor_checkpoint or self.base_checkpoint, load_tokenizer=False, mesh=mesh,
-                                     rules=config.sharding.rules)       # each tensor straight into its shards
+                                     rules=config.sharding.rules,       # each tensor straight into its shards
+                                     **config.model.compute_options())
     self.tokenizer = hf_io.load_tokenizer(
         tokenizer_dir(config, *filter(None, (actor_checkpoint, self.base_checkpoint))),
         needed_for="the trainer (prompts, tool outputs and answers are text)")
     critic = ValueModel.from_policy(actor, rngs=nnx.Rngs(config.seed + 1))
-    self.learner = Learner(actor, critic, self._learner_config(), mesh=mesh,
+    self.learner = Learner(actor, critic, learner_config(config), mesh=mesh,
                            rules=config.sharding.rules, seed=config.seed)
     self.checkpointer = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"))
     self.step, self.record = 0, {}
@@ -244,17 +284,6 @@ class Trainer:
                        f"({self.cfg.num_minibatches}) must be divisible by the {shards} data x fsdp "
                        f"shards of the mesh {dict(mesh.shape)}")
     return mesh
-
-  def _learner_config(self) -> LearnerConfig:
-    c = self.cfg
-    make_opt = lambda lr: OptimizerConfig(learning_rate=lr, max_grad_norm=c.max_grad_norm,
-                                          warmup_steps=c.warmup_steps, name=c.optimizer,
-                                          options=c.optimizer_options)
-    return LearnerConfig(estimator=self.config.estimator, actor=self.config.actor, value=self.config.value,
-                         actor_optimizer=make_opt(c.actor_learning_rate),
-                         critic_optimizer=make_opt(c.critic_learning_rate),
-                         epochs=c.epochs, num_minibatches=c.num_minibatches,
-                         sampling=self.config.rollout.sampling)
 
   def _restore(self) -> None:
     self.step, self.learner.state, self.learner.rng, self.record = self.checkpointer.restore_latest(

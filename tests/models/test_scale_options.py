@@ -97,3 +97,20 @@ def test_bad_options_are_refused_with_their_allowed_values():
     Decoder(config, rngs=nnx.Rngs(0), remat="sometimes")
   with pytest.raises(ValueError, match="attention must be one of"):
     Decoder(config, rngs=nnx.Rngs(0), attention="flash3")
+
+
+def test_splash_under_a_mesh_runs_per_shard_and_agrees_with_the_reference():
+  """Rows over fsdp, heads over tensor (shard_map: a Pallas kernel is not partitioned by the compiler)."""
+  mesh = jax.make_mesh((1, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=jax.devices()[:4])
+  keys = jax.random.split(jax.random.key(1), 3)
+  b, t, n, kv, d = 4, 128, 4, 2, 16
+  q = jax.random.normal(keys[0], (b, t, n, d))
+  k, v = jax.random.normal(keys[1], (b, t, kv, d)), jax.random.normal(keys[2], (b, t, kv, d))
+  segments = jnp.array([[1] * 70 + [2] * 50 + [0] * 8] * b)
+  splash = jax.jit(lambda q, k, v, s: attention.attention(q, k, v, segment_ids_bt=s, implementation="splash",
+                                                          interpret=True))
+  with jax.set_mesh(mesh):
+    out = splash(q, k, v, segments)
+  reference = attention.attention(q, k, v, attention.causal_segment_mask(segments))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=2e-6)
