@@ -14,7 +14,18 @@ from configs import common
 SIZES = {
     # size: (checkpoint, mesh (data, fsdp, tensor), actor lr, critic lr)
     "1.5b": ("/mnt/models/Qwen2.5-1.5B-Instruct", (1, -1, 1), 1e-6, 5e-6),
-    "7b": ("/mnt/models/Qwen2.5-7B-Instruct", (1, -1, 4), 1e-6, 5e-6),
+    # 7B: FSDP 8 x tensor 2 on the 16 chips (tensor 4 replicates each fsdp shard's 16k-token
+    # activations 4 times: 105 GiB of saved layer inputs per chip; experiments/fit_tpu.py)
+    "7b": ("/mnt/models/Qwen2.5-7B-Instruct", (1, -1, 2), 1e-6, 5e-6),
+}
+
+
+# The slices each size runs on (tpu_scripts/: LEARNER_TYPE, SERVER_TYPE), checked by experiments/fit_tpu.py
+# from the compiler's per-chip plan: learner v5p-32 (16 chips), servers v5litepod-8 (8 chips, one host)
+# with the KV cache's slots over `data` and its KV heads over `tensor`.
+HARDWARE = {
+    "1.5b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(4, 1, 2)),
+    "7b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(2, 1, 4)),
 }
 
 
@@ -26,6 +37,7 @@ def get_config(arg="7b"):
   checkpoint, mesh, actor_lr, critic_lr = SIZES[size]
   config = common.train_config(preset[0] if preset else "copc")
   config.model.checkpoint = checkpoint
+  config.model.update(dict(scan_layers=True, remat="full"))    # bf16 compute and splash attention on TPU
   config.sharding.mesh_shape = mesh
   config.task.update(dict(
       name="math", system_prompt=True, train_path="/mnt/data/dapo-math-17k.parquet",
@@ -38,6 +50,6 @@ def get_config(arg="7b"):
       mode=common.mode_for(config.preset),
       steps=500, batch_size=512, num_minibatches=4, max_staleness=4, sync_every=1,
       eval_every=25, checkpoint_every=10, actor_learning_rate=actor_lr, critic_learning_rate=critic_lr,
-      warmup_steps=10))
+      warmup_steps=10, logits_chunk=512, forward_microbatches=8))
   config.warm_start.steps = 0                 # instruct models already follow the tool format
   return config

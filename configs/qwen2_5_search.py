@@ -11,7 +11,14 @@ from configs import common
 
 SIZES = {
     "3b": ("/mnt/models/Qwen2.5-3B-Instruct", (1, -1, 1)),
-    "7b": ("/mnt/models/Qwen2.5-7B-Instruct", (1, -1, 4)),
+    "7b": ("/mnt/models/Qwen2.5-7B-Instruct", (1, -1, 2)),     # FSDP 8 x tensor 2 (see the math config)
+}
+
+
+# The slices each size runs on (see configs/qwen2_5_math.py), checked by experiments/fit_tpu.py.
+HARDWARE = {
+    "3b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(4, 1, 2)),
+    "7b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(2, 1, 4)),
 }
 
 
@@ -23,6 +30,7 @@ def get_config(arg="7b"):
   checkpoint, mesh = SIZES[size]
   config = common.train_config(preset[0] if preset else "copc")
   config.model.checkpoint = checkpoint
+  config.model.update(dict(scan_layers=True, remat="full"))    # bf16 compute and splash attention on TPU
   config.sharding.mesh_shape = mesh
   config.task.update(dict(
       name="search", system_prompt=True, train_path="/mnt/data/nq_hotpotqa_train.parquet",
@@ -35,5 +43,6 @@ def get_config(arg="7b"):
   config.trainer.update(dict(
       mode=common.mode_for(config.preset),
       steps=1000, batch_size=512, num_minibatches=4, max_staleness=4, eval_every=50,
-      checkpoint_every=10, actor_learning_rate=1e-6, critic_learning_rate=1e-5, warmup_steps=10))
+      checkpoint_every=10, actor_learning_rate=1e-6, critic_learning_rate=1e-5, warmup_steps=10,
+      logits_chunk=512, forward_microbatches=8))
   return config

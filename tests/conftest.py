@@ -6,6 +6,10 @@ import tempfile
 # Tests run on CPU with several fake devices; set before jax is imported.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# TPU topologies for the AOT tests (libtpu, no TPU): no metadata server, and libtpu's one-process lock
+# does not stop the two test processes (or a study running beside them) from loading it.
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Many tests compile the same small programs again: in fresh objects, in the pytest-xdist workers and

@@ -96,11 +96,14 @@ class LearnerConfig:
   num_minibatches: int = 1
   sampling: SamplingParams = SamplingParams()   # π_prox and π_θ under the rollouts' sampling settings
   logits_chunk: int = 0     # > 0: log π and entropy over this many positions at a time (no [B, T, V])
+  forward_microbatches: int = 1   # the no-gradient passes (π_prox, V, π_ref) over this many row groups
 
   def __post_init__(self):
     if self.epochs < 1 or self.num_minibatches < 1:
       raise ValueError(f"epochs and num_minibatches must be >= 1; got {self.epochs}, "
                        f"{self.num_minibatches}")
+    if self.forward_microbatches < 1:
+      raise ValueError(f"forward_microbatches must be >= 1; got {self.forward_microbatches}")
     if self.logits_chunk < 0:
       raise ValueError(f"logits_chunk must be >= 0 (0: the whole sequence at once); got {self.logits_chunk}")
 
@@ -113,6 +116,20 @@ def policy_logprobs_and_entropy(actor, batch: TrajectoryBatch, config: LearnerCo
   hidden = actor.model(batch.tokens, attention_mask_bt=batch.attention_mask)
   return token_logprobs_and_entropy_chunked(hidden, actor.logits, batch.tokens, config.sampling,
                                             chunk=config.logits_chunk)
+
+
+def _by_row_groups(fn, batch: TrajectoryBatch, groups: int):
+  """`fn(batch)` for per-row outputs [B, ...], computed over `groups` groups of rows one after another
+  (`lax.map`): the peak memory of one group. Group g holds rows g, g + groups, ... so each group keeps
+  rows of every data shard."""
+  if groups == 1:
+    return fn(batch)
+  b = batch.tokens.shape[0]
+  if b % groups:
+    raise ValueError(f"batch size {b} is not divisible by forward_microbatches {groups}")
+  grouped = jax.tree.map(lambda x: x.reshape(b // groups, groups, *x.shape[1:]).swapaxes(0, 1), batch)
+  out = jax.lax.map(fn, grouped)
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, *x.shape[2:]), out)
 
 
 def state_values(critic, batch: TrajectoryBatch):
@@ -175,13 +192,16 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, refe
   `update_actor = False`: the critic alone learns (the critic warm-up)."""
   actor, critic, actor_opt, critic_opt = models
   update_critic = not config.estimator.group_method
-  logp_prox, entropy_prox = policy_logprobs_and_entropy(actor, batch, config)
-  old_values = state_values(critic, batch)
+  logp_prox, entropy_prox, old_values = _by_row_groups(
+      lambda rows: (*policy_logprobs_and_entropy(actor, rows, config), state_values(critic, rows)),
+      batch, config.forward_microbatches)
   logp_prox, old_values = jax.lax.stop_gradient((logp_prox, old_values))
   advantages, returns, batch_metrics = advantages_and_returns(batch, logp_prox, old_values, config)
   extra = dict(logp_prox=logp_prox, old_values=old_values, advantages=advantages, returns=returns)
   if reference is not None:
-    extra["logp_ref"] = jax.lax.stop_gradient(policy_logprobs_and_entropy(reference, batch, config)[0])
+    reference_logp = lambda rows: policy_logprobs_and_entropy(reference, rows, config)[0]
+    logp_ref = _by_row_groups(reference_logp, batch, config.forward_microbatches)
+    extra["logp_ref"] = jax.lax.stop_gradient(logp_ref)
 
   def actor_loss_fn(actor, mb, mb_extra):
     logp, entropy = policy_logprobs_and_entropy(actor, mb, config)

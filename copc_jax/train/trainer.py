@@ -119,7 +119,8 @@ def learner_config(config) -> LearnerConfig:
                        actor_optimizer=make_opt(c.actor_learning_rate),
                        critic_optimizer=make_opt(c.critic_learning_rate),
                        epochs=c.epochs, num_minibatches=c.num_minibatches,
-                       sampling=config.rollout.sampling, logits_chunk=c.logits_chunk)
+                       sampling=config.rollout.sampling, logits_chunk=c.logits_chunk,
+                       forward_microbatches=c.forward_microbatches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,7 @@ class TrainerConfig:
   critic_warmup_steps: int = 10   # value-only updates on the start policy's rollouts before the actor moves
   group_size: int = 1             # samples per prompt (the group presets' baseline needs >= 2)
   logits_chunk: int = 0           # > 0: log π over this many positions at a time (no [B, T, V] logits)
+  forward_microbatches: int = 1   # the no-gradient passes over the batch in this many row groups
   actor_learning_rate: float = 1e-4
   critic_learning_rate: float = 1e-3
   max_grad_norm: float = 1.0
