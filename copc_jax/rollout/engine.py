@@ -222,6 +222,7 @@ class CopcEngine(engine_api.Engine):
     if max_length <= max_prefill_length:
       raise ValueError(f"max_length ({max_length}) must exceed max_prefill_length ({max_prefill_length})")
     self.config = model.config
+    self.cache_dtype = model.model.dtype     # the KV cache in the model's compute dtype (bf16 halves it)
     self._graphdef, params = nnx.split(model)
     self._mesh = mesh if mesh is not None else serving_mesh(1)
     self.store = ParamStore(jax.device_put(params, sharding.state_shardings(params, self._mesh, SERVING_RULES)),
@@ -254,7 +255,7 @@ class CopcEngine(engine_api.Engine):
     self.trace_counts["prefill"] += 1
     model = nnx.merge(self._graphdef, params)
     p = padded_tokens_p.shape[0]
-    cache = KVCache.create(self.config, batch=1, max_length=p)
+    cache = KVCache.create(self.config, batch=1, max_length=p, dtype=self.cache_dtype)
     valid = (jnp.arange(p) < true_length)[None]
     logits, cache = model.decode(padded_tokens_p[None], jnp.arange(p)[None], cache, valid)
     return cache.keys, cache.values, logits[0, true_length - 1]
@@ -355,7 +356,7 @@ class CopcEngine(engine_api.Engine):
     s, v = self._slots, self.config.vocab_size
     replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
     put = lambda x: jax.device_put(x, replicated)
-    cache = KVCache.create(self.config, batch=s, max_length=self._max_length)
+    cache = KVCache.create(self.config, batch=s, max_length=self._max_length, dtype=self.cache_dtype)
     cache = cache.replace(keys=jax.device_put(cache.keys, self.cache_sharding()),
                           values=jax.device_put(cache.values, self.cache_sharding()), valid=put(cache.valid),
                           index=put(cache.index))

@@ -25,6 +25,7 @@ flags.DEFINE_string("tokenizer", None, "Directory with tokenizer files (default:
                     "them). Without one only token-id requests work; text prompts are refused.")
 flags.DEFINE_integer("tensor_parallelism", -1, "Devices of this host to serve on, the model split over them "
                      "(tensor parallel); -1: all of them.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights, compute and KV cache dtype.")
 flags.DEFINE_integer("decode_steps", 1, "Tokens decoded per slot in one engine call (on the device).")
 flags.DEFINE_integer("calls_ahead", 2, "Generate calls that may wait for the detokenizer (JetStream's "
                      "default: 8); each decodes finished slots for nothing until the detokenizer frees them.")
@@ -65,7 +66,7 @@ def main(argv):
 
   mesh = serving_mesh(FLAGS.tensor_parallelism)
   model, tokenizer = hf_io.from_pretrained(FLAGS.checkpoint, load_tokenizer=not FLAGS.tokenizer, mesh=mesh,
-                                           rules=SERVING_RULES)
+                                           rules=SERVING_RULES, dtype=FLAGS.dtype)
   if FLAGS.tokenizer:
     tokenizer = hf_io.load_tokenizer(FLAGS.tokenizer, needed_for="--tokenizer")
   if tokenizer is None:

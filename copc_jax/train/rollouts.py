@@ -40,6 +40,7 @@ class RolloutConfig:
   server_platform: str = "cpu"          # JAX platform of the local servers ("" = this environment's)
   server_tensor_parallelism: int = -1   # devices each local server splits the model over (-1: all)
   server_decode_steps: int = 1          # tokens each local server decodes per slot in one engine call
+  server_dtype: str = "float32"        # local servers' weights, compute and KV cache (or "bfloat16")
   weight_transfer: str = "path"         # "path": servers read each version from the workdir (shared
                                         # filesystem); "stream": its file's bytes go to them over gRPC;
                                         # "memory": bytes serialized in memory, nothing on disk (lag
@@ -65,6 +66,8 @@ class RolloutConfig:
   def __post_init__(self):
     if self.server_platform not in SERVER_PLATFORMS:
       raise ValueError(f"server_platform must be one of {SERVER_PLATFORMS}; got {self.server_platform!r}")
+    if self.server_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"server_dtype must be 'float32' or 'bfloat16'; got {self.server_dtype!r}")
     if self.server_decode_steps < 1:
       raise ValueError(f"server_decode_steps must be >= 1; got {self.server_decode_steps}")
     if self.server_tensor_parallelism == 0 or self.server_tensor_parallelism < -1:

@@ -321,7 +321,7 @@ class Trainer:
       return RolloutPool(self.base_checkpoint, num_servers=count, max_in_flight=c.max_in_flight,
                          slots=c.slots, max_prefill_length=c.max_prefill_length, max_length=c.max_length,
                          platform=c.server_platform, tensor_parallelism=c.server_tensor_parallelism,
-                         decode_steps=c.server_decode_steps,
+                         decode_steps=c.server_decode_steps, dtype=c.server_dtype,
                          ready_timeout_s=c.ready_timeout_s, **common,
                          log_dir=os.path.join(self.workdir, "logs", "eval" if evaluation else ""),
                          version=-1)

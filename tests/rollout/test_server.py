@@ -432,3 +432,20 @@ def test_a_server_decoding_several_steps_per_call_stops_exactly(checkpoint, serv
   finally:
     client.close()
     process.stop()
+
+
+def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_records_its_own_logprobs(checkpoint):
+  """`serve --dtype=bfloat16`: weights, compute and KV cache in bf16 (half the cache), and the behaviour
+  log-probs it records are those of its bf16 model, recomputed teacher-forced within 0.05 (a full pass
+  and incremental decoding round differently in bf16)."""
+  import jax.numpy as jnp
+
+  from copc_jax.rollout.engine import CopcEngine
+
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False, dtype=jnp.bfloat16)
+  engine = CopcEngine(model, max_concurrent_decodes=2, max_prefill_length=16, max_length=64)
+  prompts = [[1, 40, 41, 42], [1, 7, 8]]
+  tokens, logprobs, state = engine_decode(engine, prompts, steps=8)
+  assert state.cache.keys.dtype == jnp.bfloat16 and state.cache.values.dtype == jnp.bfloat16
+  for row, prompt in enumerate(prompts):
+    np.testing.assert_allclose(logprobs[:, row], teacher_forced(model, prompt, tokens[:, row]), atol=0.05)

@@ -17,7 +17,7 @@ from copc_jax.train import Learner, LearnerConfig, OptimizerConfig
 from copc_jax.train.fake_data import random_batch
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 20, 64])
+@pytest.mark.parametrize("chunk", [5, 64])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)])
 def test_chunked_logprobs_equal_the_whole_sequence_values_and_gradients(chunk, params):
   actor = Decoder(tiny.tiny_config("qwen2"), rngs=nnx.Rngs(0))
