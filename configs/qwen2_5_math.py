@@ -50,6 +50,6 @@ def get_config(arg="7b"):
       mode=common.mode_for(config.preset),
       steps=500, batch_size=512, num_minibatches=4, max_staleness=4, sync_every=1,
       eval_every=25, checkpoint_every=10, actor_learning_rate=actor_lr, critic_learning_rate=critic_lr,
-      warmup_steps=10, logits_chunk=512, forward_microbatches=8))
+      warmup_steps=10, logits_chunk=512, forward_microbatches=8, pad_to_multiple=1024))
   config.warm_start.steps = 0                 # instruct models already follow the tool format
   return config

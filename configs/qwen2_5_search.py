@@ -44,5 +44,5 @@ def get_config(arg="7b"):
       mode=common.mode_for(config.preset),
       steps=1000, batch_size=512, num_minibatches=4, max_staleness=4, eval_every=50,
       checkpoint_every=10, actor_learning_rate=1e-6, critic_learning_rate=1e-5, warmup_steps=10,
-      logits_chunk=512, forward_microbatches=8))
+      logits_chunk=512, forward_microbatches=8, pad_to_multiple=1024))
   return config

@@ -45,3 +45,12 @@ class TrajectoryBatch:
   def staleness(self, learner_version: int) -> jax.Array:
     """learner version − version of each policy token (0 elsewhere)."""
     return jnp.where(self.mask, learner_version - self.versions, 0)
+
+
+def padded_length(longest: int, max_length: int, multiple: int) -> int:
+  """The time length of a batch whose longest row has `longest` tokens: `max_length` (multiple = 0:
+  every batch one shape), or `longest` rounded up to a multiple of `multiple`, at most `max_length`
+  (a few shapes, each compiled once; short batches do not pay for the longest context)."""
+  if multiple <= 0:
+    return max_length
+  return min(max_length, -(-longest // multiple) * multiple)

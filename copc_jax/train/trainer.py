@@ -51,6 +51,7 @@ from copc_jax.rollout.pool import PoolExhausted, RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend
 from copc_jax.train import checkpoint, multihost, rollouts, server_check, warm_start
 from copc_jax.train import workdir as workdir_lib
+from copc_jax.train.batch import padded_length
 from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
 from copc_jax.train.metrics import MetricsLogger, read_metrics, update_rows
@@ -139,6 +140,8 @@ class TrainerConfig:
   group_size: int = 1             # samples per prompt (the group presets' baseline needs >= 2)
   logits_chunk: int = 0           # > 0: log π over this many positions at a time (no [B, T, V] logits)
   forward_microbatches: int = 1   # the no-gradient passes over the batch in this many row groups
+  pad_to_multiple: int = 0        # > 0: batches padded to their longest row rounded up to this, not to
+                                  # rollout.max_length (one process; several pad to max_length)
   actor_learning_rate: float = 1e-4
   critic_learning_rate: float = 1e-3
   max_grad_norm: float = 1.0
@@ -151,10 +154,11 @@ class TrainerConfig:
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
     for name in ("steps", "batch_size", "sync_every", "checkpoint_every", "epochs", "num_minibatches",
-                 "group_size"):
+                 "group_size", "forward_microbatches"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-    for name in ("max_staleness", "lag", "eval_every", "warmup_steps", "critic_warmup_steps"):
+    for name in ("max_staleness", "lag", "eval_every", "warmup_steps", "critic_warmup_steps", "pad_to_multiple",
+                 "logits_chunk"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
     if self.mode == "async" and self.max_staleness < self.sync_every - 1:
@@ -447,7 +451,7 @@ class Trainer:
       with self.timer("weight_sync_s"):
         source.weights.push(0, self.learner.actor)
       episodes = rollouts.collect(source.runner, source.prompts.take(self.local_batch_size), source.workers)
-      batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length)
+      batch = to_batch([e.trajectory for e in episodes], length=self._batch_length(episodes))
       metrics = jax.device_get(self.learner.critic_step(batch, process_local=True))
       explained.append(float(metrics["value_explained_variance"]))
       logger.write({"step": 0, "critic_warmup_step": i + 1, "value_loss": metrics["value_loss"],
@@ -493,9 +497,15 @@ class Trainer:
       logger.write({"step": 0, **evaluation})
       logger.note(f"eval accuracy before RL: {evaluation['eval_accuracy']:.3f}")
 
+  def _batch_length(self, episodes: list[rollouts.Episode]) -> int:
+    # several processes build one global batch: its rows must have one length everywhere
+    multiple = self.cfg.pad_to_multiple if self.processes == 1 else 0
+    return padded_length(max(len(e.trajectory.context) for e in episodes), self.config.rollout.max_length,
+                         multiple)
+
   def _train_on(self, episodes: list[rollouts.Episode]) -> dict:
     """One update on this process's episodes (its rows of the global batch); the row of metrics."""
-    batch = to_batch([e.trajectory for e in episodes], length=self.config.rollout.max_length,
+    batch = to_batch([e.trajectory for e in episodes], length=self._batch_length(episodes),
                      group_ids=[rollouts.group_id(e.record, jax.process_index()) for e in episodes])
     metrics = jax.device_get(self.learner.train_step(batch, process_local=True))
     staleness = np.asarray(batch.staleness(self.step))[batch.mask]

@@ -74,3 +74,31 @@ def test_the_learner_step_in_bfloat16_stays_near_float32():
 def test_a_negative_chunk_is_refused():
   with pytest.raises(ValueError, match="logits_chunk must be >= 0"):
     dataclasses.replace(LearnerConfig(), logits_chunk=-1)
+
+
+def test_a_batch_padded_to_its_bucket_trains_like_one_padded_to_max_length():
+  """`trainer.pad_to_multiple`: the same rows with less right padding give the same advantages,
+  losses and updated weights (padding carries no mask, no reward and no attention)."""
+  from copc_jax.train.batch import TrajectoryBatch, padded_length
+
+  assert [padded_length(n, 96, 32) for n in (1, 20, 32, 33, 95)] == [32, 32, 32, 64, 96]
+  assert padded_length(20, 96, 0) == 96
+  config = tiny.tiny_config("qwen2")
+  p = presets.get_preset("copc")
+  short = random_batch(Decoder(config, rngs=nnx.Rngs(0)), batch_size=8, prompt_length=6, response_length=14,
+                       seed=3)
+  pad = lambda x: np.pad(np.asarray(x), ((0, 0), (0, 96 - x.shape[1])))
+  long = TrajectoryBatch(**{f: pad(getattr(short, f)) for f in TrajectoryBatch.__dataclass_fields__})
+  results = []
+  for batch in (short, long):
+    actor = Decoder(config, rngs=nnx.Rngs(0))
+    learner = Learner(actor, ValueModel.from_policy(actor, rngs=nnx.Rngs(1)),
+                      LearnerConfig(estimator=p.estimator, actor=p.actor, num_minibatches=2,
+                                    actor_optimizer=OptimizerConfig(learning_rate=1e-3),
+                                    critic_optimizer=OptimizerConfig(learning_rate=1e-3)))
+    results.append((learner.train_step(batch), jax.tree.leaves(nnx.state(learner.actor, nnx.Param))))
+  (short_metrics, short_params), (long_metrics, long_params) = results
+  for key in ("actor_loss", "value_loss", "advantage_raw_mean", "advantage_raw_std", "returns_mean", "entropy"):
+    assert float(long_metrics[key]) == pytest.approx(float(short_metrics[key]), abs=1e-5), key
+  for a, b in zip(short_params, long_params, strict=True):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
