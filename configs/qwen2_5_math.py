@@ -51,5 +51,9 @@ def get_config(arg="7b"):
       steps=500, batch_size=512, num_minibatches=4, max_staleness=4, sync_every=1,
       eval_every=25, checkpoint_every=10, actor_learning_rate=actor_lr, critic_learning_rate=critic_lr,
       warmup_steps=10, logits_chunk=512, forward_microbatches=8, pad_to_multiple=1024))
+  if size == "7b":
+    # 4 minibatches of 128 rows x 16k tokens need 127 GiB per v5p chip (experiments/fit_tpu.py: the
+    # saved layer inputs and MLP activations of 16 rows per fsdp shard); 8 minibatches halve them.
+    config.trainer.num_minibatches = 8
   config.warm_start.steps = 0                 # instruct models already follow the tool format
   return config

@@ -85,7 +85,7 @@ def _splash(q_btnd, k_bskd, v_bskd, segment_ids_bt, interpret: bool):
   b, t, n, d = q_btnd.shape
   if k_bskd.shape[1] != t:
     raise ValueError("attention='splash' is self-attention over one sequence (no cache); use 'xla' to decode")
-  if t % 128 and t > 128:
+  if t % 128:
     raise ValueError(f"attention='splash' needs a sequence length that is a multiple of 128; got {t}")
   q_btnd = q_btnd / np.sqrt(d).astype(q_btnd.dtype)
   kv_heads = k_bskd.shape[2]

@@ -115,13 +115,14 @@ class Backbone(nnx.Module):
     forward = _block_forward
     if self.remat != "none":
       forward = nnx.remat(_block_forward, policy=REMAT_POLICIES[self.remat])
-    new_keys, new_values = [], []
+    # the cache [L, ...] is updated one layer at a time in place (a donated cache is not copied)
+    keys, values = (None, None) if cache is None else (cache.keys, cache.values)
     for i, block in enumerate(self.layers):
-      past = None if cache is None else (cache.keys[i], cache.values[i])
+      past = None if cache is None else (keys[i], values[i])
       x, (k, v) = forward(block, x, positions_bt, inv_freq, visible_bts, past, where, segment_ids_bt)
-      new_keys.append(k)
-      new_values.append(v)
-    return self.norm(x), new_keys, new_values
+      if cache is not None:
+        keys, values = keys.at[i].set(k), values.at[i].set(v)
+    return self.norm(x), keys, values
 
   def _scan(self, x, positions_bt, inv_freq, visible_bts, cache, where, segment_ids_bt):
     """The blocks as one `lax.scan` over their weights stacked on a leading layer axis [L, ...]
@@ -131,17 +132,25 @@ class Backbone(nnx.Module):
     stacked = jax.tree.map(lambda *ws: jnp.stack([cast(w) for w in ws]),
                            *[nnx.state(block) for block in self.layers])
 
-    def body(x, layer):
-      weights, past = layer
-      x, kv = _block_forward(nnx.merge(graphdef, weights), x, positions_bt, inv_freq, visible_bts, past, where,
-                             segment_ids_bt)
-      return x, (kv if cache is not None else None)    # no cache: keep no keys/values per layer
+    def block(x, weights, past):
+      return _block_forward(nnx.merge(graphdef, weights), x, positions_bt, inv_freq, visible_bts, past, where,
+                            segment_ids_bt)
 
     if self.remat != "none":
-      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-    past = None if cache is None else (cache.keys, cache.values)
-    x, kv = jax.lax.scan(body, x, (stacked, past))
-    return x, *(kv if kv is not None else (None, None))
+      block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    if cache is None:
+      x, _ = jax.lax.scan(lambda x, weights: (block(x, weights, None)[0], None), x, stacked)
+      return x, None, None
+
+    def body(carry, layer):       # the whole cache in the carry: each layer's slice updated in place
+      x, keys, values = carry
+      i, weights = layer
+      x, (k, v) = block(x, weights, (keys[i], values[i]))
+      return (x, keys.at[i].set(k), values.at[i].set(v)), None
+
+    (x, keys, values), _ = jax.lax.scan(body, (x, cache.keys, cache.values),
+                                        (jnp.arange(self.config.num_layers), stacked))
+    return x, keys, values
 
   def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None):
     """Hidden states [B, T, H] of a whole sequence: causal, padding keys hidden. With
@@ -175,7 +184,7 @@ class Backbone(nnx.Module):
     query_slots_t = cache.index + jnp.arange(t)
     visible_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= query_slots_t[None, :, None])
     hidden, keys, values = self._run(input_ids_bt, positions_bt, visible_bts, cache, cache.index)
-    new_cache = KVCache(keys=_stacked(keys), values=_stacked(values), valid=valid_bs, index=cache.index + t)
+    new_cache = KVCache(keys=keys, values=values, valid=valid_bs, index=cache.index + t)
     return hidden, new_cache
 
   def decode_rows(self, input_ids_b, slots_b, cache: KVCache):
@@ -188,13 +197,8 @@ class Backbone(nnx.Module):
     slots_s = jnp.arange(cache.valid.shape[1])
     visible_bts = (valid_bs & (slots_s[None] <= slots_b[:, None]))[:, None, :]
     hidden, keys, values = self._run(input_ids_b[:, None], slots_b[:, None], visible_bts, cache, slots_b)
-    new_cache = KVCache(keys=_stacked(keys), values=_stacked(values), valid=valid_bs, index=cache.index)
+    new_cache = KVCache(keys=keys, values=values, valid=valid_bs, index=cache.index)
     return hidden, new_cache
-
-
-def _stacked(per_layer):
-  """[L, ...] from a list of per-layer arrays (the loop) or an array already stacked (the scan)."""
-  return per_layer if isinstance(per_layer, jax.Array) else jnp.stack(per_layer)
 
 
 class Decoder(nnx.Module):

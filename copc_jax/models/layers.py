@@ -103,9 +103,10 @@ class Attention(nnx.Module):
     b, t, _ = x_btd.shape
     q = apply_rope(self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim), positions_bt,
                    inv_freq)
-    # a cache (decoding) or no segment ids: the dense mask, through the XLA or reference kernel
+    # a cache (decoding), no segment ids or a length the kernel's 128-blocks do not tile: the dense
+    # mask, through XLA
     implementation = self.implementation
-    if implementation == "splash" and (segment_ids_bt is None or keys_bshd.shape[1] != t):
+    if implementation == "splash" and (segment_ids_bt is None or keys_bshd.shape[1] != t or t % 128):
       implementation = "xla"
     out = attention(q, keys_bshd, values_bshd, visible_bts, segment_ids_bt=segment_ids_bt,
                     implementation=implementation)

@@ -1,0 +1,137 @@
+"""On an accelerator (GPU or TPU): what runs where, and how fast. Run it when a machine has one.
+
+    .venv/bin/pip install -r requirements-cuda.txt       # on a GPU machine (TPU VMs: jax[tpu])
+    .venv/bin/python experiments/device_check.py          # writes experiments/results/device_check.json
+    .venv/bin/python experiments/device_check.py --skip_run   # learner step and decode only (a minute)
+
+1. The learner step at the platform's settings (`model.compute_options`: bf16 compute over float32
+   weights, the platform's attention kernel, scanned layers, chunked log π) on a 4-layer, d = 512
+   model, batch 32 × 512: compile and median step time, checked finite.
+2. The server's decode: a `CopcEngine` on a tiny checkpoint in the same dtype, 64 steps of 8 slots:
+   tokens per second, and its log-probs against the learner's recomputation (the sampling contract).
+3. The main job, 20 updates of `configs/default.py` with the learner and the servers on the
+   accelerator (`rollout.server_platform=""`): held-out accuracy before and after, from its summary.
+
+Every number goes to the JSON with the platform, device kinds and versions; none is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import study  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from copc_jax import presets  # noqa: E402
+from copc_jax.models import hf_io, tiny  # noqa: E402
+from copc_jax.models.config import ModelConfig  # noqa: E402
+from copc_jax.models.decoder import Decoder, ValueModel  # noqa: E402
+from copc_jax.train import Learner, LearnerConfig  # noqa: E402
+from copc_jax.train.fake_data import random_batch  # noqa: E402
+from copc_jax.train.trainer import ModelSource  # noqa: E402
+
+OUT = os.path.join(HERE, "results", "device_check.json")
+
+
+def learner_step(platform: str) -> dict:
+  options = ModelSource(scan_layers=True, remat="full").compute_options(platform)
+  config = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+                       num_kv_heads=4, head_dim=64)
+  actor = Decoder(config, rngs=nnx.Rngs(0), **options)
+  preset = presets.get_preset("copc")
+  learner = Learner(actor, ValueModel.from_policy(actor, rngs=nnx.Rngs(1)),
+                    LearnerConfig(estimator=preset.estimator, actor=preset.actor, num_minibatches=4,
+                                  logits_chunk=128))
+  batch = random_batch(Decoder(config, rngs=nnx.Rngs(0)), batch_size=32, prompt_length=64, response_length=448)
+  start = time.perf_counter()
+  jax.block_until_ready(learner.train_step(batch))
+  compile_s = time.perf_counter() - start
+  times, metrics = [], None
+  for _ in range(5):
+    start = time.perf_counter()
+    metrics = jax.device_get(learner.train_step(batch))
+    times.append(time.perf_counter() - start)
+  return {"options": {k: str(v) for k, v in options.items()}, "compile_and_first_step_s": compile_s,
+          "median_step_s": float(np.median(times)), "tokens_per_s": 32 * 512 / float(np.median(times)),
+          "finite": bool(all(np.isfinite(float(metrics[k])) for k in ("actor_loss", "value_loss")))}
+
+
+def server_decode(platform: str, directory: str) -> dict:
+  from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+  from copc_jax.sampling import sampling_logprobs
+
+  path = os.path.join(directory, "tiny")
+  tiny.make_tiny_checkpoint(path, "qwen2", seed=0)
+  dtype = ModelSource().compute_options(platform)["dtype"]
+  model, _ = hf_io.from_pretrained(path, load_tokenizer=False, dtype=dtype)
+  slots, steps = 8, 64
+  engine = CopcEngine(model, max_concurrent_decodes=slots, max_prefill_length=16, max_length=96)
+  store, state = engine.load_params(), engine.init_decode_state()
+  prompts = [[1, 5 + i, 9, 12] for i in range(slots)]
+  for slot, prompt in enumerate(prompts):
+    padded = np.zeros(16, np.int32)
+    padded[:len(prompt)] = prompt
+    engine.pending_sampling.options = SamplingOptions(seed=slot)
+    prefix = engine.prefill(params=store, padded_tokens=padded, true_length=len(prompt))
+    state = engine.insert(prefix, state, slot)
+  state, result = engine.generate(store, state)          # compiles
+  jax.block_until_ready(result.data)
+  rows, start = [np.asarray(result.data)], time.perf_counter()
+  for _ in range(steps - 1):
+    state, result = engine.generate(store, state)
+    rows.append(np.asarray(result.data))
+  seconds = time.perf_counter() - start
+  data = np.stack(rows)                                   # [steps, slots, 5]
+  tokens = data[:, :, 0].T
+  recorded = data[:, :, 3].astype(np.int32).view(np.float32).T
+  sequence = np.array([prompts[0] + list(tokens[0])])
+  recomputed = np.asarray(sampling_logprobs(model(sequence), sequence))[0, len(prompts[0]):]
+  return {"dtype": str(dtype), "tokens_per_s": slots * (steps - 1) / seconds,
+          "max_logprob_difference_slot0": float(np.max(np.abs(recorded[0] - recomputed)))}
+
+
+def default_run(directory: str) -> dict:
+  workdir = os.path.join(directory, "run")
+  command = [sys.executable, "-m", "copc_jax.main", "--config=configs/default.py", f"--workdir={workdir}",
+             "--config.trainer.steps=20", "--config.rollout.server_platform="]
+  start = time.time()
+  done = subprocess.run(command, cwd=study.ROOT, capture_output=True, text=True)
+  summary_path = os.path.join(workdir, "summary.json")
+  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+  return {"command": " ".join(command[1:]), "returncode": done.returncode, "wall_s": time.time() - start,
+          "summary": summary, "stderr_tail": done.stderr[-2000:] if done.returncode else ""}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--skip_run", action="store_true", help="without the 20-update main job")
+  parser.add_argument("--out", default=OUT)
+  args = parser.parse_args()
+  platform = jax.default_backend()
+  results = {"platform": platform, "devices": [d.device_kind for d in jax.devices()]}
+  print(f"platform {platform}: {results['devices']}", flush=True)
+  with tempfile.TemporaryDirectory() as directory:
+    results["learner_step"] = learner_step(platform)
+    print("learner step:", json.dumps(results["learner_step"]), flush=True)
+    results["server_decode"] = server_decode(platform, directory)
+    print("server decode:", json.dumps(results["server_decode"]), flush=True)
+    if not args.skip_run:
+      results["default_run"] = default_run(directory)
+      print("default run:", json.dumps({k: v for k, v in results["default_run"].items() if k != "stderr_tail"}),
+            flush=True)
+  study.write_benchmark(args.out, results)
+
+
+if __name__ == "__main__":
+  main()
