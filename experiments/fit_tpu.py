@@ -100,7 +100,8 @@ def plan(compiled, chip: str, seconds: float) -> dict:
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
            + memory.temp_size_in_bytes)
   flops = float(cost.get("flops", 0.0))
-  return {"argument_gib": memory.argument_size_in_bytes / GIB, "output_gib": memory.output_size_in_bytes / GIB,
+  return {"fits": total <= hbm * GIB, "argument_gib": memory.argument_size_in_bytes / GIB,
+          "output_gib": memory.output_size_in_bytes / GIB,
           "alias_gib": memory.alias_size_in_bytes / GIB, "temp_gib": memory.temp_size_in_bytes / GIB,
           "total_gib": total / GIB, "hbm_gib": hbm, "headroom": 1.0 - total / (hbm * GIB),
           "flops_per_chip": flops, "step_time_lower_bound_s": flops / peak, "compile_s": seconds}
@@ -188,19 +189,33 @@ def fit(task: str, size: str, layers: int | None = None) -> dict:
   learner_chip = hardware["learner"].split(":")[0]
   start = time.time()
   print(f"[{time.strftime('%H:%M:%S')}] {task}:{size} learner on {hardware['learner']}", flush=True)
-  entry["learner"] = plan(compile_learner(typed, architecture, topology_devices(hardware["learner"])),
-                          learner_chip, time.time() - start)
+  try:
+    entry["learner"] = plan(compile_learner(typed, architecture, topology_devices(hardware["learner"])),
+                            learner_chip, time.time() - start)
+  except jax.errors.JaxRuntimeError as err:      # the compiler refuses a plan above HBM, saying by how much
+    entry["learner"] = refused(err, learner_chip, time.time() - start)
   print(json.dumps(entry["learner"]), flush=True)
   server_chip = hardware["server"].split(":")[0]
   devices = topology_devices(hardware["server"], hardware.get("server_chips_per_host"))
   start = time.time()
   print(f"[{time.strftime('%H:%M:%S')}] {task}:{size} server on {hardware['server']}", flush=True)
-  prefill, decode = compile_server(typed, architecture, devices, hardware["server_mesh"])
-  seconds = time.time() - start
-  entry["server_prefill"] = plan(prefill, server_chip, seconds)
-  entry["server_decode"] = plan(decode, server_chip, seconds)
+  try:
+    prefill, decode = compile_server(typed, architecture, devices, hardware["server_mesh"])
+    seconds = time.time() - start
+    entry["server_prefill"] = plan(prefill, server_chip, seconds)
+    entry["server_decode"] = plan(decode, server_chip, seconds)
+  except jax.errors.JaxRuntimeError as err:
+    entry["server_decode"] = refused(err, server_chip, time.time() - start)
   print(json.dumps(entry["server_decode"]), flush=True)
   return entry
+
+
+def refused(err: Exception, chip: str, seconds: float) -> dict:
+  """A body the compiler would not place on the chip (RESOURCE_EXHAUSTED names what it needed)."""
+  if "RESOURCE_EXHAUSTED" not in str(err):
+    raise err
+  return {"fits": False, "error": str(err).splitlines()[0][:400], "hbm_gib": CHIPS[chip][0],
+          "compile_s": seconds}
 
 
 def table(results: dict) -> str:
@@ -212,6 +227,10 @@ def table(results: dict) -> str:
       if body not in entry:
         continue
       p = entry[body]
+      if not p.get("fits", True) and "total_gib" not in p:
+        lines.append(f"| {name} | {body.replace('_', ' ')} | {entry['hardware'][where]} | refused by the "
+                     f"compiler: {p['error']} | – / {p['hbm_gib']} | < 0% | – | – | {p['compile_s']:.0f} s |")
+        continue
       lines.append(f"| {name} | {body.replace('_', ' ')} | {entry['hardware'][where]} | "
                    f"{p['argument_gib']:.2f} / {p['temp_gib']:.2f} / {p['output_gib']:.2f} | "
                    f"{p['total_gib']:.1f} / {p['hbm_gib']} | "
