@@ -34,7 +34,7 @@ def test_config_file_validates(name, arg):
 
 def test_real_model_configs_use_a_tpu_mesh_and_remote_data():
   config = config_lib.from_config_dict(importlib.import_module("configs.qwen2_5_math").get_config("7b"))
-  assert config.sharding.mesh_shape == (1, -1, 4) and config.task.name == "math"
+  assert config.sharding.mesh_shape == (1, -1, 2) and config.task.name == "math"
   assert config.trainer.mode == "async" and config.rollout.max_length == 16384
   with pytest.raises(ValueError, match="size must be one of"):
     importlib.import_module("configs.qwen2_5_math").get_config("70b")

@@ -82,4 +82,4 @@ def test_the_server_decode_compiles_for_v5e_with_the_cache_over_slots_and_heads(
   memory = decode.memory_analysis()
   assert memory.argument_size_in_bytes >= cache_bytes
   assert memory.alias_size_in_bytes >= cache_bytes               # the cache is donated
-  assert prefill.memory_analysis().temp_size_in_bytes > 0
+  assert prefill.memory_analysis().output_size_in_bytes > 0          # its prompt's keys, values and logits
