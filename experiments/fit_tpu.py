@@ -25,6 +25,7 @@ left on every chip.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -179,7 +180,6 @@ def fit(task: str, size: str, layers: int | None = None) -> dict:
   typed = config_lib.from_config_dict(module.get_config(size))
   architecture = ARCHITECTURES[size]
   if layers:
-    import dataclasses
     architecture = dataclasses.replace(architecture, num_layers=layers)
   entry = {"config": f"{CONFIGS[task]}:{size}", "hardware": hardware,
            "batch_size": typed.trainer.batch_size, "num_minibatches": typed.trainer.num_minibatches,

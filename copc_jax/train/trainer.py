@@ -106,7 +106,7 @@ class ModelSource:
                                                                            else elsewhere)
     attention = pick(self.attention, "reference", "splash" if platform == "tpu" else "xla")
     return dict(dtype=jnp.dtype(pick(self.dtype, "float32", "bfloat16")),
-                param_dtype=jnp.dtype(pick(self.param_dtype, "float32", "float32")),
+                param_dtype=jnp.dtype("float32" if self.param_dtype == "auto" else self.param_dtype),
                 remat=self.remat, scan_layers=self.scan_layers, attention=attention)
 
 
