@@ -21,12 +21,14 @@ SIZES = {
 
 
 # The slices each size runs on (tpu_scripts/: LEARNER_TYPE, SERVER_TYPE), checked by experiments/fit_tpu.py
-# from the compiler's per-chip plan: learner v5p-32 (16 chips), servers v5litepod-8 (8 chips, one host)
-# with the KV cache's slots over `data` and its KV heads over `tensor`.
+# from the compiler's per-chip plan: learner v5p-32 (16 chips), servers v5litepod-8 (8 chips, one host).
 HARDWARE = {
-    "1.5b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(4, 1, 2)),
-    "7b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(2, 1, 4)),
+    "1.5b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1)),
+    "7b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1)),
 }
+# Each server's 8 chips as (data groups, tensor): the KV cache's slots over `data`, its KV heads and the
+# model over `tensor` (7B's 4 KV heads divide 4, not 8), bfloat16 weights and cache.
+SERVER_TOPOLOGY = {"1.5b": (4, 2), "7b": (2, 4)}
 
 
 def get_config(arg="7b"):
@@ -45,15 +47,17 @@ def get_config(arg="7b"):
       eval_size=30, code_timeout_s=10.0, code_error_penalty=0.0))
   config.rollout.update(dict(
       addresses=(), num_servers=1, slots=64, max_prefill_length=4096, max_length=16384, max_in_flight=64,
-      max_turns=8, max_tokens_per_turn=4096, temperature=1.0, ready_timeout_s=1800.0))
+      max_turns=8, max_tokens_per_turn=4096, temperature=1.0, ready_timeout_s=1800.0, server_dtype="bfloat16",
+      server_data_parallelism=SERVER_TOPOLOGY[size][0], server_tensor_parallelism=SERVER_TOPOLOGY[size][1]))
   config.trainer.update(dict(
       mode=common.mode_for(config.preset),
       steps=500, batch_size=512, num_minibatches=4, max_staleness=4, sync_every=1,
       eval_every=25, checkpoint_every=10, actor_learning_rate=actor_lr, critic_learning_rate=critic_lr,
       warmup_steps=10, logits_chunk=512, forward_microbatches=8, pad_to_multiple=1024))
   if size == "7b":
-    # 4 minibatches of 128 rows x 16k tokens need 127 GiB per v5p chip (experiments/fit_tpu.py: the
-    # saved layer inputs and MLP activations of 16 rows per fsdp shard); 8 minibatches halve them.
-    config.trainer.num_minibatches = 8
+    # A minibatch of 128 rows x 16k tokens puts 16 rows on each fsdp shard: their saved layer inputs and
+    # MLP activations need 139 GiB per v5p chip even at 8 rows (experiments/fit_tpu.py). Each
+    # minibatch's gradient summed over 8 row groups (2 rows per shard at a time): 38 GiB.
+    config.trainer.gradient_accumulation = 8
   config.warm_start.steps = 0                 # instruct models already follow the tool format
   return config

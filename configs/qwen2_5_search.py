@@ -17,9 +17,10 @@ SIZES = {
 
 # The slices each size runs on (see configs/qwen2_5_math.py), checked by experiments/fit_tpu.py.
 HARDWARE = {
-    "3b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(4, 1, 2)),
-    "7b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1), server_mesh=(2, 1, 4)),
+    "3b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1)),
+    "7b": dict(learner="v5p:2x2x4", server="v5e:2x4", server_chips_per_host=(2, 4, 1)),
 }
+SERVER_TOPOLOGY = {"3b": (4, 2), "7b": (2, 4)}     # (data groups, tensor) of each server's 8 chips
 
 
 def get_config(arg="7b"):
@@ -39,10 +40,13 @@ def get_config(arg="7b"):
       eval_size=512))
   config.rollout.update(dict(
       slots=128, max_prefill_length=4096, max_length=8192, max_in_flight=128, max_turns=4,
-      max_tokens_per_turn=512, ready_timeout_s=1800.0))
+      max_tokens_per_turn=512, ready_timeout_s=1800.0, server_dtype="bfloat16",
+      server_data_parallelism=SERVER_TOPOLOGY[size][0], server_tensor_parallelism=SERVER_TOPOLOGY[size][1]))
   config.trainer.update(dict(
       mode=common.mode_for(config.preset),
       steps=1000, batch_size=512, num_minibatches=4, max_staleness=4, eval_every=50,
       checkpoint_every=10, actor_learning_rate=1e-6, critic_learning_rate=1e-5, warmup_steps=10,
       logits_chunk=512, forward_microbatches=8, pad_to_multiple=1024))
+  if size == "7b":      # 16 rows of 8k tokens per fsdp shard in a minibatch: 4 at a time (see the math config)
+    config.trainer.gradient_accumulation = 4
   return config

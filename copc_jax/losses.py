@@ -121,6 +121,22 @@ def aggregate(per_token_bt, mask_bt, how: str):
   return (per_seq_b * has_tokens_b).sum() / jnp.maximum(has_tokens_b.sum(), 1.0)
 
 
+def aggregation_shares(mask_gbt, how: str):
+  """w_g, the share of row group g in `aggregate` over all groups' rows, so that
+  Σ_g w_g · aggregate(x_g, mask_g) = aggregate(x, mask) exactly (gradient accumulation):
+  tokens_g / tokens for the token mean, sequences-with-tokens_g / sequences-with-tokens for the
+  sequence mean, rows_g / rows (1/G, groups of equal size) for the token sum over B·T."""
+  mask_f = jnp.asarray(mask_gbt, jnp.float32)
+  groups = mask_f.shape[0]
+  if how == "token_mean":
+    tokens_g = mask_f.sum(axis=(1, 2))
+    return tokens_g / jnp.maximum(tokens_g.sum(), 1.0)
+  if how == "token_sum":
+    return jnp.full((groups,), 1.0 / groups)
+  sequences_g = (mask_f.sum(axis=2) > 0).sum(axis=1).astype(jnp.float32)
+  return sequences_g / jnp.maximum(sequences_g.sum(), 1.0)
+
+
 def _safe_exp(log_x_bt, valid_bt):
   """exp where valid, 1 elsewhere, with no NaN in the gradient of the invalid entries."""
   return jnp.exp(jnp.where(valid_bt, log_x_bt, 0.0))

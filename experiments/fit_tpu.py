@@ -13,13 +13,15 @@ it names (`HARDWARE` in the config file), on this CPU machine with libtpu instal
   attention kernel and log-prob chunk) lowered from shapes and compiled for the learner slice;
 - the server's two bodies on the server slice: prefill of one prompt at the config's prefill bucket,
   and one decode step of every slot (the model's `decode_rows` and the sampling of
-  `copc_jax.sampling`, as the engine's generate body), weights and KV cache in bfloat16, the cache's
-  slots over `data` and its KV heads over `tensor`.
+  `copc_jax.sampling`, as the engine's generate body), weights and KV cache in bfloat16, the cache
+  placed as the engine places it (`engine.cache_partition`) over the config's server topology
+  (`rollout.server_data_parallelism` × `server_tensor_parallelism`).
 
 Written per body: the compiler's per-chip argument / output / temporary bytes (`memory_analysis`;
-donated arguments counted once), the chip's HBM and the headroom, FLOPs per chip (`cost_analysis`),
-compile time, and a step-time lower bound: FLOPs at the chip's peak bf16 rate. Target: >= 10% of HBM
-left on every chip.
+donated arguments counted once), the chip's HBM and the headroom, FLOPs per chip counted from the
+model (`learner_flops`, `forward_flops_per_token`: the compiler's `cost_analysis` counts a scanned
+loop's body once), compile time, and a step-time lower bound: those FLOPs at the chip's peak bf16
+rate. Target: >= 10% of HBM left on every chip.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from copc_jax import config as config_lib  # noqa: E402
 from copc_jax import sampling, sharding  # noqa: E402
 from copc_jax.models.config import ModelConfig  # noqa: E402
 from copc_jax.models.decoder import Decoder, KVCache, ValueModel  # noqa: E402
+from copc_jax.rollout import engine  # noqa: E402
 from copc_jax.rollout.engine import SERVING_RULES  # noqa: E402
 from copc_jax.train import learner as learner_lib  # noqa: E402
 from copc_jax.train import trainer  # noqa: E402
@@ -91,21 +94,43 @@ def mesh_over(devices, mesh_shape) -> jax.sharding.Mesh:
                        devices=devices)
 
 
-def plan(compiled, chip: str, seconds: float) -> dict:
-  """The compiler's per-chip plan of one compiled body, against the chip's HBM."""
+def forward_flops_per_token(architecture: ModelConfig, context: float, logits: bool = True) -> float:
+  """Matmul FLOPs of one token's forward pass (as PaLM's appendix B counts them): 2 per weight of each
+  layer's projections and MLP, 4·H·D·context for QKᵀ and PV over `context` keys, and 2·h·V for the
+  vocabulary projection when `logits` (the value head's h·1 is negligible)."""
+  a = architecture
+  projections = a.hidden_size * a.head_dim * 2 * (a.num_heads + a.num_kv_heads)
+  mlp = 3 * a.hidden_size * a.intermediate_size
+  per_layer = 2 * (projections + mlp) + 4 * a.num_heads * a.head_dim * context
+  return a.num_layers * per_layer + (2 * a.hidden_size * a.vocab_size if logits else 0.0)
+
+
+def learner_flops(architecture: ModelConfig, typed) -> float:
+  """One train step on a full batch (every row `max_length` long, causal: mean context length / 2):
+  the π_prox, V (and π_ref with a KL term) forwards, then per epoch the actor's and the critic's
+  forward, backward (2 forwards) and, under remat, the forward again."""
+  t = typed.trainer
+  tokens, context = t.batch_size * typed.rollout.max_length, typed.rollout.max_length / 2
+  actor, critic = (forward_flops_per_token(architecture, context, logits) for logits in (True, False))
+  per_epoch = 3 + (typed.model.remat not in ("none", False))
+  reference = 1 if typed.actor.kl_coef > 0 else 0
+  return tokens * (actor * (1 + reference + t.epochs * per_epoch) + critic * (1 + t.epochs * per_epoch))
+
+
+def plan(compiled, chip: str, seconds: float, flops: float, chips: int) -> dict:
+  """The compiler's per-chip memory plan of one compiled body, against the chip's HBM, and the body's
+  FLOPs (counted from the model: the compiler's `cost_analysis` counts a loop body once, not once per
+  iteration, so it undercounts scanned layers and minibatches) spread over `chips`."""
   memory = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
   hbm, peak = CHIPS[chip]
   # donated arguments are aliased to outputs: they occupy HBM once
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
            + memory.temp_size_in_bytes)
-  flops = float(cost.get("flops", 0.0))
   return {"fits": total <= hbm * GIB, "argument_gib": memory.argument_size_in_bytes / GIB,
           "output_gib": memory.output_size_in_bytes / GIB,
           "alias_gib": memory.alias_size_in_bytes / GIB, "temp_gib": memory.temp_size_in_bytes / GIB,
           "total_gib": total / GIB, "hbm_gib": hbm, "headroom": 1.0 - total / (hbm * GIB),
-          "flops_per_chip": flops, "step_time_lower_bound_s": flops / peak, "compile_s": seconds}
+          "flops_per_chip": flops / chips, "step_time_lower_bound_s": flops / chips / peak, "compile_s": seconds}
 
 
 def compile_learner(typed, architecture: ModelConfig, devices) -> object:
@@ -122,14 +147,6 @@ def compile_learner(typed, architecture: ModelConfig, devices) -> object:
   return lowered.compile()
 
 
-def kv_cache_spec(architecture: ModelConfig, mesh, slots: int) -> jax.sharding.PartitionSpec:
-  """The cache [L, slots, S, KV, D]: KV heads over `tensor` (where they divide it), slots over `data`."""
-  tensor, data = mesh.shape["tensor"], mesh.shape["data"]
-  heads = "tensor" if tensor > 1 and architecture.num_kv_heads % tensor == 0 else None
-  rows = "data" if data > 1 and slots % data == 0 else None
-  return jax.sharding.PartitionSpec(None, rows, None, heads, None)
-
-
 def compile_server(typed, architecture: ModelConfig, devices, server_mesh) -> tuple[object, object]:
   """(prefill, decode) of the served model on the server slice, bfloat16 weights and cache."""
   mesh = mesh_over(devices, server_mesh)
@@ -141,7 +158,7 @@ def compile_server(typed, architecture: ModelConfig, devices, server_mesh) -> tu
   shape = (architecture.num_layers, slots, length, architecture.num_kv_heads, architecture.head_dim)
   spec = jax.ShapeDtypeStruct
   named = lambda partition: jax.sharding.NamedSharding(mesh, partition)
-  cache_partition = kv_cache_spec(architecture, mesh, slots)
+  cache_partition = engine.cache_partition(architecture, mesh, slots)      # as the engine places it
   rows, replicated = named(jax.sharding.PartitionSpec(cache_partition[1])), named(jax.sharding.PartitionSpec())
   cache = KVCache(keys=spec(shape, jnp.bfloat16), values=spec(shape, jnp.bfloat16),
                   valid=spec((slots, length), jnp.bool_), index=spec((), jnp.int32))
@@ -182,6 +199,8 @@ def fit(task: str, size: str, layers: int | None = None) -> dict:
   if layers:
     architecture = dataclasses.replace(architecture, num_layers=layers)
   entry = {"config": f"{CONFIGS[task]}:{size}", "hardware": hardware,
+           "server_mesh": [typed.rollout.server_data_parallelism, 1, typed.rollout.server_tensor_parallelism],
+           "gradient_accumulation": typed.trainer.gradient_accumulation,
            "batch_size": typed.trainer.batch_size, "num_minibatches": typed.trainer.num_minibatches,
            "max_length": typed.rollout.max_length, "mesh_shape": list(typed.sharding.mesh_shape),
            "model": {k: str(v) for k, v in typed.model.compute_options("tpu").items()},
@@ -189,9 +208,10 @@ def fit(task: str, size: str, layers: int | None = None) -> dict:
   learner_chip = hardware["learner"].split(":")[0]
   start = time.time()
   print(f"[{time.strftime('%H:%M:%S')}] {task}:{size} learner on {hardware['learner']}", flush=True)
+  devices = topology_devices(hardware["learner"])
   try:
-    entry["learner"] = plan(compile_learner(typed, architecture, topology_devices(hardware["learner"])),
-                            learner_chip, time.time() - start)
+    entry["learner"] = plan(compile_learner(typed, architecture, devices), learner_chip, time.time() - start,
+                            learner_flops(architecture, typed), len(devices))
   except jax.errors.JaxRuntimeError as err:      # the compiler refuses a plan above HBM, saying by how much
     entry["learner"] = refused(err, learner_chip, time.time() - start)
   print(json.dumps(entry["learner"]), flush=True)
@@ -200,10 +220,15 @@ def fit(task: str, size: str, layers: int | None = None) -> dict:
   start = time.time()
   print(f"[{time.strftime('%H:%M:%S')}] {task}:{size} server on {hardware['server']}", flush=True)
   try:
-    prefill, decode = compile_server(typed, architecture, devices, hardware["server_mesh"])
+    server_mesh = (typed.rollout.server_data_parallelism, 1, typed.rollout.server_tensor_parallelism)
+    prefill, decode = compile_server(typed, architecture, devices, server_mesh)
     seconds = time.time() - start
-    entry["server_prefill"] = plan(prefill, server_chip, seconds)
-    entry["server_decode"] = plan(decode, server_chip, seconds)
+    r = typed.rollout
+    entry["server_prefill"] = plan(prefill, server_chip, seconds, r.max_prefill_length
+                                   * forward_flops_per_token(architecture, r.max_prefill_length / 2), len(devices))
+    # one token per slot, attending over the whole cache (the decode computes every position, masked)
+    entry["server_decode"] = plan(decode, server_chip, seconds,
+                                  r.slots * forward_flops_per_token(architecture, r.max_length), len(devices))
   except jax.errors.JaxRuntimeError as err:
     entry["server_decode"] = refused(err, server_chip, time.time() - start)
   print(json.dumps(entry["server_decode"]), flush=True)

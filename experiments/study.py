@@ -116,7 +116,8 @@ class SharedServers:
   @staticmethod
   def settings(rollout) -> tuple:
     return (rollout.num_servers, rollout.slots, rollout.max_prefill_length, rollout.max_length,
-            rollout.server_platform, rollout.server_tensor_parallelism, rollout.server_decode_steps)
+            rollout.server_platform, rollout.server_tensor_parallelism, rollout.server_data_parallelism,
+            rollout.server_decode_steps, rollout.server_dtype)
 
   def fits(self, rollout) -> bool:
     return not rollout.addresses and self.settings(rollout) == self.settings(self.rollout)
@@ -137,7 +138,9 @@ class SharedServers:
       self.processes[i] = ServerProcess(self.checkpoint, slots=c.slots, max_prefill_length=c.max_prefill_length,
                                         max_length=c.max_length, seed=i, version=-1, platform=c.server_platform,
                                         tensor_parallelism=c.server_tensor_parallelism,
-                                        decode_steps=c.server_decode_steps, token=self.token,
+                                        data_parallelism=c.server_data_parallelism,
+                                        decode_steps=c.server_decode_steps, dtype=c.server_dtype,
+                                        token=self.token,
                                         log_path=os.path.join(self.log_dir, f"server_{i}.log"))
       self.starts += 1
     for i in dead:

@@ -16,6 +16,7 @@ pytest.importorskip("libtpu", reason="libtpu (requirements-dev.txt) compiles for
 from copc_jax import presets  # noqa: E402
 from copc_jax.models.config import ModelConfig  # noqa: E402
 from copc_jax.models.decoder import Decoder, ValueModel  # noqa: E402
+from copc_jax.rollout import engine  # noqa: E402
 from copc_jax.train.learner import LearnerConfig, lower_train_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,14 +60,14 @@ def test_a_two_layer_learner_step_compiles_for_v5e_and_its_plan_matches_a_hand_c
   assert expected <= memory.argument_size_in_bytes <= 1.05 * expected
   assert memory.alias_size_in_bytes >= 0.95 * state_bytes            # the state is donated: updated in place
   assert 0 < memory.temp_size_in_bytes < 16 * 2**30
-  plan = fit_tpu.plan(compiled, "v5e", 1.0)
-  assert 0.9 < plan["headroom"] < 1.0 and plan["flops_per_chip"] > 0
+  plan = fit_tpu.plan(compiled, "v5e", 1.0, flops=4e12, chips=4)
+  assert 0.9 < plan["headroom"] < 1.0 and plan["flops_per_chip"] == 1e12
 
 
 def test_the_server_decode_compiles_for_v5e_with_the_cache_over_slots_and_heads(fit_tpu):
   devices = fit_tpu.topology_devices("v5e:2x2")
   mesh = fit_tpu.mesh_over(devices, (2, 1, 2))
-  assert fit_tpu.kv_cache_spec(SMALL, mesh, slots=8) == jax.sharding.PartitionSpec(None, "data", None, "tensor",
+  assert engine.cache_partition(SMALL, mesh, slots=8) == jax.sharding.PartitionSpec(None, "data", None, "tensor",
                                                                                      None)
 
   class Rollout:
@@ -83,3 +84,26 @@ def test_the_server_decode_compiles_for_v5e_with_the_cache_over_slots_and_heads(
   assert memory.argument_size_in_bytes >= cache_bytes
   assert memory.alias_size_in_bytes >= cache_bytes               # the cache is donated
   assert prefill.memory_analysis().output_size_in_bytes > 0          # its prompt's keys, values and logits
+
+
+def test_the_model_flop_count_matches_a_hand_count(fit_tpu):
+  """The FLOPs the table reports (the compiler counts a scanned loop's body once): a 2-layer model,
+  by hand, for one token over 100 keys; and a learner step is its passes × tokens."""
+  h, i, heads, kv, d, v = 256, 512, 4, 2, 64, 1024
+  per_layer = 2 * (h * d * heads + 2 * h * d * kv + heads * d * h + 3 * h * i) + 4 * heads * d * 100
+  assert fit_tpu.forward_flops_per_token(SMALL, 100) == 2 * per_layer + 2 * h * v
+  assert fit_tpu.forward_flops_per_token(SMALL, 100, logits=False) == 2 * per_layer
+
+  class Typed:
+    class trainer:
+      batch_size, epochs = 8, 2
+    class rollout:
+      max_length = 200
+    class model:
+      remat = "full"
+    class actor:
+      kl_coef = 0.0
+
+  actor, critic = (fit_tpu.forward_flops_per_token(SMALL, 100, logits) for logits in (True, False))
+  # π_prox and V once; per epoch forward + backward (2) + the remat recompute, for both models
+  assert fit_tpu.learner_flops(SMALL, Typed) == pytest.approx(8 * 200 * (actor * 9 + critic * 9))

@@ -56,6 +56,10 @@ def test_servers_take_their_limits_and_checkpoint_from_the_learners_config():
   out = dry_run("start_servers.sh", NUM_SERVERS="1", CONFIG="configs/qwen2_5_math.py:1.5b")
   assert ("serve --checkpoint=/mnt/models/Qwen2.5-1.5B-Instruct --host=0.0.0.0 --port=9000 --slots=64 "
           "--max_prefill_length=4096 --max_length=16384") in out
+  # the config's server topology: bf16, 8 chips as 4 data groups x tensor 2 (experiments/fit_tpu.py)
+  assert "--dtype=bfloat16 --data_parallelism=4 --tensor_parallelism=2" in out
+  out = dry_run("start_servers.sh", NUM_SERVERS="1", CONFIG="configs/qwen2_5_math.py:7b")
+  assert "--dtype=bfloat16 --data_parallelism=2 --tensor_parallelism=4" in out
   out = dry_run("start_servers.sh", NUM_SERVERS="1", CONFIG="configs/default.py", SLOTS="3")
   assert "--slots=3 --max_prefill_length=64 --max_length=128" in out       # the environment wins
   result = subprocess.run(["bash", "tpu_scripts/start_servers.sh", "--dry-run"], cwd=ROOT, text=True,

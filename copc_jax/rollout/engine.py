@@ -189,19 +189,40 @@ class IdTokenizer(tokenizer_api.Tokenizer):
 
 
 # Serving is tensor-parallel: the model dimensions go over the `tensor` axis, nothing over fsdp (every
-# decode step needs all of each layer), and the KV cache splits with the KV heads.
+# decode step needs all of each layer), and the KV cache splits with the KV heads. With a `data` axis
+# the slots split too: each data group decodes its own slots with a whole copy of the (tensor-split)
+# model, which is how a cache whose few KV heads do not divide the chips still splits.
 SERVING_RULES: tuple = (("batch", None), ("vocab", "tensor"), ("embed", None), ("heads", "tensor"),
                         ("kv_heads", "tensor"), ("mlp", "tensor"), ("norm", None))
 
 
-def serving_mesh(tensor_parallelism: int = 1, devices=None):
-  """A (1, 1, tensor_parallelism) mesh over this host's first devices (−1: all of them)."""
+def serving_mesh(tensor_parallelism: int = 1, devices=None, *, data_parallelism: int = 1):
+  """A (data_parallelism, 1, tensor_parallelism) mesh over this host's first devices (tensor −1: all of
+  them that the data groups leave)."""
   devices = list(devices if devices is not None else jax.local_devices())
-  count = len(devices) if tensor_parallelism == -1 else tensor_parallelism
-  if not 1 <= count <= len(devices):
-    raise ValueError(f"tensor_parallelism must be -1 or 1..{len(devices)} (this host's devices); "
-                     f"got {tensor_parallelism}")
-  return sharding.make_mesh(sharding.ShardingConfig(mesh_shape=(1, 1, count)), devices[:count])
+  if data_parallelism < 1 or len(devices) % data_parallelism:
+    raise ValueError(f"data_parallelism must divide this host's {len(devices)} devices; got {data_parallelism}")
+  per_group = len(devices) // data_parallelism
+  tensor = per_group if tensor_parallelism == -1 else tensor_parallelism
+  if not 1 <= tensor <= per_group:
+    raise ValueError(f"tensor_parallelism must be -1 or 1..{per_group} (this host's devices / "
+                     f"data_parallelism); got {tensor_parallelism}")
+  count = data_parallelism * tensor
+  return sharding.make_mesh(sharding.ShardingConfig(mesh_shape=(data_parallelism, 1, tensor)), devices[:count])
+
+
+def cache_partition(config, mesh, slots: int) -> jax.sharding.PartitionSpec:
+  """The KV cache [L, slots, S, KV, D] over a serving mesh: KV heads over `tensor` where they divide
+  it, slots over `data` where they divide it."""
+  tensor, data = mesh.shape["tensor"], mesh.shape["data"]
+  heads = "tensor" if tensor > 1 and config.num_kv_heads % tensor == 0 else None
+  return jax.sharding.PartitionSpec(None, slot_axis(mesh, slots), None, heads, None)
+
+
+def slot_axis(mesh, slots: int):
+  """The mesh axis the per-slot arrays split over: `data`, where it divides the slots."""
+  data = mesh.shape["data"]
+  return "data" if data > 1 and slots % data == 0 else None
 
 
 class CopcEngine(engine_api.Engine):
@@ -347,19 +368,18 @@ class CopcEngine(engine_api.Engine):
                                           length_idx=(2, 3), samples_per_slot=1)
 
   def cache_sharding(self):
-    """The KV cache [L, B, S, KV, D]: split over `tensor` with the KV heads (if they divide)."""
-    spec = sharding.logical_to_spec((None, None, None, "kv_heads", None),
-                                    (1, 1, 1, self.config.num_kv_heads, 1), self._mesh, SERVING_RULES)
-    return jax.sharding.NamedSharding(self._mesh, spec)
+    """The KV cache [L, B, S, KV, D]: KV heads over `tensor` and slots over `data` (where they divide)."""
+    return jax.sharding.NamedSharding(self._mesh, cache_partition(self.config, self._mesh, self._slots))
 
   def init_decode_state(self, *args, **kwargs):
     s, v = self._slots, self.config.vocab_size
     replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
-    put = lambda x: jax.device_put(x, replicated)
+    put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+        self._mesh, jax.sharding.PartitionSpec(slot_axis(self._mesh, s))))      # per-slot rows
     cache = KVCache.create(self.config, batch=s, max_length=self._max_length, dtype=self.cache_dtype)
     cache = cache.replace(keys=jax.device_put(cache.keys, self.cache_sharding()),
                           values=jax.device_put(cache.values, self.cache_sharding()), valid=put(cache.valid),
-                          index=put(cache.index))
+                          index=jax.device_put(cache.index, replicated))
     return DecodeState(
         cache=cache,
         lengths=put(jnp.zeros((s,), jnp.int32)), generated=put(jnp.zeros((s,), jnp.int32)),

@@ -30,8 +30,8 @@ class ServerProcess:
 
   def __init__(self, checkpoint: str, *, slots: int = 4, max_prefill_length: int = 64,
                max_length: int = 256, seed: int = 0, version: int = 0, log_path: str | None = None,
-               platform: str = "cpu", tensor_parallelism: int = -1, decode_steps: int = 1,
-               dtype: str = "float32",
+               platform: str = "cpu", tensor_parallelism: int = -1, data_parallelism: int = 1,
+               decode_steps: int = 1, dtype: str = "float32",
                launcher: tuple[str, ...] = (), token: str | None = None, weights_roots: tuple[str, ...] = (),
                tls: tuple[str, str, str] | None = None):
     """`launcher`: a command prefix the server runs under (e.g. a container that sees other files);
@@ -45,7 +45,8 @@ class ServerProcess:
                "--port=0",
                f"--slots={slots}", f"--max_prefill_length={max_prefill_length}",
                f"--max_length={max_length}", f"--seed={seed}", f"--version={version}",
-               f"--tensor_parallelism={tensor_parallelism}", f"--decode_steps={decode_steps}",
+               f"--tensor_parallelism={tensor_parallelism}", f"--data_parallelism={data_parallelism}",
+               f"--decode_steps={decode_steps}",
                f"--dtype={dtype}",
                f"--ready_file={self._ready_file}", "--exit_with_parent",
                *([f"--weights_root={','.join(weights_roots)}"] if weights_roots else []),

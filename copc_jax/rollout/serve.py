@@ -25,6 +25,9 @@ flags.DEFINE_string("tokenizer", None, "Directory with tokenizer files (default:
                     "them). Without one only token-id requests work; text prompts are refused.")
 flags.DEFINE_integer("tensor_parallelism", -1, "Devices of this host to serve on, the model split over them "
                      "(tensor parallel); -1: all of them.")
+flags.DEFINE_integer("data_parallelism", 1, "Groups of devices the slots split over, each with a whole "
+                     "tensor-parallel copy of the model (the KV cache's slots over `data`: how a cache "
+                     "whose few KV heads do not divide the devices still splits).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights, compute and KV cache dtype.")
 flags.DEFINE_integer("decode_steps", 1, "Tokens decoded per slot in one engine call (on the device).")
 flags.DEFINE_integer("calls_ahead", 2, "Generate calls that may wait for the detokenizer (JetStream's "
@@ -64,7 +67,11 @@ def main(argv):
     sys.exit(2)
   from copc_jax.rollout.server import serve
 
-  mesh = serving_mesh(FLAGS.tensor_parallelism)
+  try:
+    mesh = serving_mesh(FLAGS.tensor_parallelism, data_parallelism=FLAGS.data_parallelism)
+  except ValueError as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
   model, tokenizer = hf_io.from_pretrained(FLAGS.checkpoint, load_tokenizer=not FLAGS.tokenizer, mesh=mesh,
                                            rules=SERVING_RULES, dtype=FLAGS.dtype)
   if FLAGS.tokenizer:

@@ -12,7 +12,8 @@ Inside the step:
      channel carries);
   3. `epochs` × `num_minibatches` updates of the actor (preset's actor loss, with the KL term to a
      frozen reference when `kl_coef > 0`) and of the critic (clipped value loss), each with its
-     own optimizer, as one `lax.scan`. `critic_step` runs the same with the actor held still (the
+     own optimizer, as one `lax.scan`; each minibatch's gradient optionally accumulated over
+     `gradient_accumulation` row groups (the same gradient, the activations of one group). `critic_step` runs the same with the actor held still (the
      critic warm-up); group presets train no critic.
 
 The metrics say what moves before a failure: the advantages before whitening (mean, std, min,
@@ -97,13 +98,15 @@ class LearnerConfig:
   sampling: SamplingParams = SamplingParams()   # π_prox and π_θ under the rollouts' sampling settings
   logits_chunk: int = 0     # > 0: log π and entropy over this many positions at a time (no [B, T, V])
   forward_microbatches: int = 1   # the no-gradient passes (π_prox, V, π_ref) over this many row groups
+  gradient_accumulation: int = 1  # each minibatch's gradients summed over this many row groups
 
   def __post_init__(self):
     if self.epochs < 1 or self.num_minibatches < 1:
       raise ValueError(f"epochs and num_minibatches must be >= 1; got {self.epochs}, "
                        f"{self.num_minibatches}")
-    if self.forward_microbatches < 1:
-      raise ValueError(f"forward_microbatches must be >= 1; got {self.forward_microbatches}")
+    for name in ("forward_microbatches", "gradient_accumulation"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
     if self.logits_chunk < 0:
       raise ValueError(f"logits_chunk must be >= 0 (0: the whole sequence at once); got {self.logits_chunk}")
 
@@ -118,18 +121,73 @@ def policy_logprobs_and_entropy(actor, batch: TrajectoryBatch, config: LearnerCo
                                             chunk=config.logits_chunk)
 
 
+def _row_groups(tree, groups: int, name: str):
+  """Every leaf [B, ...] as [groups, B / groups, ...]; group g holds rows g, g + groups, ... so each
+  group keeps rows of every data shard."""
+  b = jax.tree.leaves(tree)[0].shape[0]
+  if b % groups:
+    raise ValueError(f"{b} rows are not divisible by {name} {groups}")
+  return jax.tree.map(lambda x: x.reshape(b // groups, groups, *x.shape[1:]).swapaxes(0, 1), tree)
+
+
 def _by_row_groups(fn, batch: TrajectoryBatch, groups: int):
   """`fn(batch)` for per-row outputs [B, ...], computed over `groups` groups of rows one after another
-  (`lax.map`): the peak memory of one group. Group g holds rows g, g + groups, ... so each group keeps
-  rows of every data shard."""
+  (`lax.map`): the peak memory of one group."""
   if groups == 1:
     return fn(batch)
   b = batch.tokens.shape[0]
-  if b % groups:
-    raise ValueError(f"batch size {b} is not divisible by forward_microbatches {groups}")
-  grouped = jax.tree.map(lambda x: x.reshape(b // groups, groups, *x.shape[1:]).swapaxes(0, 1), batch)
-  out = jax.lax.map(fn, grouped)
+  out = jax.lax.map(fn, _row_groups(batch, groups, "forward_microbatches"))
   return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, *x.shape[2:]), out)
+
+
+def _combine_diagnostics(diagnostics_g: dict, shares_g) -> dict:
+  """One minibatch's diagnostics from its row groups': extremes and counts exactly, every other
+  entry as the groups' share-weighted mean (groups whose value is undefined, NaN, left out)."""
+  def combine(name, x_g):
+    if name.endswith("_max"):
+      return x_g.max()
+    if name.endswith("_min"):
+      return x_g.min()
+    if name.endswith("_count"):
+      return x_g.sum()
+    defined_g = jnp.isfinite(x_g)
+    weights_g = jnp.where(defined_g, shares_g, 0.0)
+    return jnp.where(defined_g.any(), jnp.where(defined_g, x_g, 0.0) @ weights_g
+                     / jnp.maximum(weights_g.sum(), 1e-30), jnp.nan)
+  return {name: combine(name, x_g) for name, x_g in diagnostics_g.items()}
+
+
+def accumulated_value_and_grad(loss_fn, model, mb: TrajectoryBatch, mb_extra: dict, *, groups: int,
+                               aggregation: str, with_grad: bool = True):
+  """(diagnostics, ∇ loss) of `loss_fn(model, mb, mb_extra) -> (loss, diagnostics)` on one minibatch,
+  computed over `groups` row groups one after another (gradient accumulation: the activations of
+  one group at a time):
+
+      ∇L = Σ_g w_g ∇L_g,   w_g = `losses.aggregation_shares` of the groups' policy masks,
+
+  exact for every aggregation of `losses.aggregate`. `with_grad = False`: the diagnostics alone
+  (gradient None)."""
+  if groups == 1:
+    if not with_grad:
+      return loss_fn(model, mb, mb_extra)[1], None
+    (_, diagnostics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, mb, mb_extra)
+    return diagnostics, grads
+  grouped, grouped_extra = _row_groups((mb, mb_extra), groups, "gradient_accumulation")
+  shares_g = losses.aggregation_shares(grouped.mask, aggregation)
+  graphdef, state = nnx.split(model)
+
+  def one_group(carry, group):        # the weights ride in the carry: NNX merges them at this trace level
+    state, total = carry
+    rows, rows_extra, share = group
+    model = nnx.merge(graphdef, state)
+    if not with_grad:
+      return carry, loss_fn(model, rows, rows_extra)[1]
+    (_, diagnostics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, rows, rows_extra)
+    return (state, jax.tree.map(lambda t, g: t + share * g, total, grads)), diagnostics
+
+  zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)) if with_grad else None
+  (_, grads), diagnostics_g = jax.lax.scan(one_group, (state, zeros), (grouped, grouped_extra, shares_g))
+  return _combine_diagnostics(diagnostics_g, shares_g), grads
 
 
 def state_values(critic, batch: TrajectoryBatch):
@@ -224,16 +282,19 @@ def _train_step(models, batch: TrajectoryBatch, rng, config: LearnerConfig, refe
     actor, critic, actor_opt, critic_opt = nnx.merge(graphdef, state)
     mb, mb_extra = _take(batch, extra, rows)
     diagnostics = {}
+    groups = config.gradient_accumulation
     if update_actor:
-      (_, actor_diag), actor_grads = nnx.value_and_grad(actor_loss_fn, has_aux=True)(actor, mb, mb_extra)
+      actor_diag, actor_grads = accumulated_value_and_grad(actor_loss_fn, actor, mb, mb_extra, groups=groups,
+                                                           aggregation=config.actor.aggregation)
       actor_opt.update(actor, actor_grads)
       diagnostics.update(actor_diag, actor_grad_norm=_global_norm(actor_grads))
+    # group presets: the critic is only measured
+    value_diag, critic_grads = accumulated_value_and_grad(critic_loss_fn, critic, mb, mb_extra, groups=groups,
+                                                          aggregation=config.value.aggregation,
+                                                          with_grad=update_critic)
     if update_critic:
-      (_, value_diag), critic_grads = nnx.value_and_grad(critic_loss_fn, has_aux=True)(critic, mb, mb_extra)
       critic_opt.update(critic, critic_grads)
-    else:                               # group presets: the critic is only measured
-      value_diag, critic_grads = critic_loss_fn(critic, mb, mb_extra)[1], []
-    diagnostics.update(value_diag, critic_grad_norm=_global_norm(critic_grads))
+    diagnostics.update(value_diag, critic_grad_norm=_global_norm(critic_grads or []))
     return nnx.state((actor, critic, actor_opt, critic_opt)), diagnostics
 
   state, history = jax.lax.scan(update, state, minibatch_rows)

@@ -39,6 +39,7 @@ class RolloutConfig:
   tls_root_certificates: str = ""       # remote servers' CA (PEM file): talk to them over TLS
   server_platform: str = "cpu"          # JAX platform of the local servers ("" = this environment's)
   server_tensor_parallelism: int = -1   # devices each local server splits the model over (-1: all)
+  server_data_parallelism: int = 1      # device groups each local server splits its slots over
   server_decode_steps: int = 1          # tokens each local server decodes per slot in one engine call
   server_dtype: str = "float32"        # local servers' weights, compute and KV cache (or "bfloat16")
   weight_transfer: str = "path"         # "path": servers read each version from the workdir (shared
@@ -70,6 +71,8 @@ class RolloutConfig:
       raise ValueError(f"server_dtype must be 'float32' or 'bfloat16'; got {self.server_dtype!r}")
     if self.server_decode_steps < 1:
       raise ValueError(f"server_decode_steps must be >= 1; got {self.server_decode_steps}")
+    if self.server_data_parallelism < 1:
+      raise ValueError(f"server_data_parallelism must be >= 1; got {self.server_data_parallelism}")
     if self.server_tensor_parallelism == 0 or self.server_tensor_parallelism < -1:
       raise ValueError(f"server_tensor_parallelism must be -1 (all devices) or >= 1; got "
                        f"{self.server_tensor_parallelism}")

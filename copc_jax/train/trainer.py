@@ -121,7 +121,8 @@ def learner_config(config) -> LearnerConfig:
                        critic_optimizer=make_opt(c.critic_learning_rate),
                        epochs=c.epochs, num_minibatches=c.num_minibatches,
                        sampling=config.rollout.sampling, logits_chunk=c.logits_chunk,
-                       forward_microbatches=c.forward_microbatches)
+                       forward_microbatches=c.forward_microbatches,
+                       gradient_accumulation=c.gradient_accumulation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +141,8 @@ class TrainerConfig:
   group_size: int = 1             # samples per prompt (the group presets' baseline needs >= 2)
   logits_chunk: int = 0           # > 0: log π over this many positions at a time (no [B, T, V] logits)
   forward_microbatches: int = 1   # the no-gradient passes over the batch in this many row groups
+  gradient_accumulation: int = 1  # each minibatch's gradient summed over this many row groups (same
+                                  # gradient, the activations of one group)
   pad_to_multiple: int = 0        # > 0: batches padded to their longest row rounded up to this, not to
                                   # rollout.max_length (one process; several pad to max_length)
   actor_learning_rate: float = 1e-4
@@ -154,7 +157,7 @@ class TrainerConfig:
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
     for name in ("steps", "batch_size", "sync_every", "checkpoint_every", "epochs", "num_minibatches",
-                 "group_size", "forward_microbatches"):
+                 "group_size", "forward_microbatches", "gradient_accumulation"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
     for name in ("max_staleness", "lag", "eval_every", "warmup_steps", "critic_warmup_steps", "pad_to_multiple",
@@ -171,6 +174,9 @@ class TrainerConfig:
     if self.batch_size % self.num_minibatches:
       raise ValueError(f"batch_size ({self.batch_size}) must be divisible by num_minibatches "
                        f"({self.num_minibatches})")
+    if (self.batch_size // self.num_minibatches) % self.gradient_accumulation:
+      raise ValueError(f"a minibatch of {self.batch_size // self.num_minibatches} rows (batch_size / "
+                       f"num_minibatches) must be divisible by gradient_accumulation ({self.gradient_accumulation})")
     for name in ("actor_learning_rate", "critic_learning_rate", "max_grad_norm"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
@@ -285,10 +291,11 @@ class Trainer:
   def _mesh(self):
     mesh = sharding.make_mesh(self.config.sharding)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if (self.cfg.batch_size // self.cfg.num_minibatches) % shards:
+    group_rows = self.cfg.batch_size // self.cfg.num_minibatches // self.cfg.gradient_accumulation
+    if group_rows % shards:
       raise ValueError(f"config.trainer.batch_size ({self.cfg.batch_size}) / num_minibatches "
-                       f"({self.cfg.num_minibatches}) must be divisible by the {shards} data x fsdp "
-                       f"shards of the mesh {dict(mesh.shape)}")
+                       f"({self.cfg.num_minibatches}) / gradient_accumulation ({self.cfg.gradient_accumulation}) "
+                       f"must be divisible by the {shards} data x fsdp shards of the mesh {dict(mesh.shape)}")
     return mesh
 
   def _restore(self) -> None:
@@ -325,7 +332,8 @@ class Trainer:
       return RolloutPool(self.base_checkpoint, num_servers=count, max_in_flight=c.max_in_flight,
                          slots=c.slots, max_prefill_length=c.max_prefill_length, max_length=c.max_length,
                          platform=c.server_platform, tensor_parallelism=c.server_tensor_parallelism,
-                         decode_steps=c.server_decode_steps, dtype=c.server_dtype,
+                         data_parallelism=c.server_data_parallelism, decode_steps=c.server_decode_steps,
+                         dtype=c.server_dtype,
                          ready_timeout_s=c.ready_timeout_s, **common,
                          log_dir=os.path.join(self.workdir, "logs", "eval" if evaluation else ""),
                          version=-1)

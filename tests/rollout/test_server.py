@@ -339,8 +339,11 @@ def engine_decode(engine, prompts, steps, seed=5):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
-@pytest.mark.parametrize("tensor_parallelism", [2, 8])
-def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(checkpoint, tensor_parallelism):
+@pytest.mark.parametrize("data_parallelism,tensor_parallelism", [(1, 2), (1, 8), (2, 4)])
+def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(checkpoint, data_parallelism,
+                                                                             tensor_parallelism):
+  """Split over `tensor` (and, with a `data` axis, the slots over data groups): the same tokens and
+  log-probs as one device, and a weight push keeps every placement."""
   from copc_jax.rollout.engine import CopcEngine, serving_mesh
 
   model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
@@ -348,10 +351,10 @@ def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(che
   make = lambda mesh: CopcEngine(model, max_concurrent_decodes=2, max_prefill_length=16, max_length=64,
                                  mesh=mesh)
   single = make(None)
-  sharded = make(serving_mesh(tensor_parallelism))
+  sharded = make(serving_mesh(tensor_parallelism, data_parallelism=data_parallelism))
   kernel = sharded.store.get()[0]["model"]["layers"][0]["mlp"]["gate_proj"]["kernel"][...]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")      # split over the mesh
-  assert len(kernel.sharding.device_set) == tensor_parallelism
+  assert len(kernel.sharding.device_set) == tensor_parallelism * data_parallelism
   expected_tokens, expected_logprobs, _ = engine_decode(single, prompts, steps=20)
   tokens, logprobs, state = engine_decode(sharded, prompts, steps=20)
   prefix = sharded.prefill(params=sharded.load_params(), padded_tokens=np.ones(16, np.int32), true_length=3)
@@ -362,6 +365,8 @@ def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(che
   kv_split = model.config.num_kv_heads % tensor_parallelism == 0
   spec = tuple(state.cache.keys.sharding.spec) + (None,) * 5
   assert spec[3] == ("tensor" if kv_split else None)
+  assert spec[1] == ("data" if data_parallelism > 1 else None)         # slots over the data groups
+  assert state.lengths.sharding.spec == jax.sharding.PartitionSpec("data" if data_parallelism > 1 else None)
   compiled = dict(sharded.trace_counts)
   new = Decoder(model.config, rngs=nnx.Rngs(42))
   sharded.store.update(sharded.read_weights(hf_io.hf_tensors(new)), 1)    # a weight push
