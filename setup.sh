@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One setup command: a virtual environment in .venv with everything the project needs.
-#   bash setup.sh          # runtime + test dependencies
+#   bash setup.sh          # the package (editable) with its train and dev extras, JetStream, CPU PyTorch
 # JetStream 0.2.2 is installed with --no-deps: its declared requirements pull seqio and
 # TensorFlow, which copc_jax never uses (see README).
 set -euo pipefail
@@ -20,8 +20,13 @@ VENV="${COPC_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet -r requirements-dev.txt
-"$VENV/bin/python" -m pip install --quiet --no-deps google-jetstream==0.2.2
-"$VENV/bin/python" -m pip install --quiet --no-deps -e .
+pip=("$VENV/bin/python" -m pip install --quiet)
+"${pip[@]}" --upgrade pip
+"${pip[@]}" -r requirements-dev.txt                # the package, editable, with its train and dev extras
+"${pip[@]}" --no-deps google-jetstream==0.2.2
+# CPU PyTorch for the logits-parity tests (PyPI's Linux build is the multi-GB CUDA one): from a local
+# wheel or the PyTorch CPU index; without it those tests skip.
+"${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null \
+  || "${pip[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu \
+  || echo "setup: no CPU PyTorch; the logits-parity tests against transformers will skip" >&2
 echo "setup done: $VENV"

@@ -130,7 +130,8 @@ def plan(compiled, chip: str, seconds: float, flops: float, chips: int) -> dict:
           "output_gib": memory.output_size_in_bytes / GIB,
           "alias_gib": memory.alias_size_in_bytes / GIB, "temp_gib": memory.temp_size_in_bytes / GIB,
           "total_gib": total / GIB, "hbm_gib": hbm, "headroom": 1.0 - total / (hbm * GIB),
-          "flops_per_chip": flops / chips, "step_time_lower_bound_s": flops / chips / peak, "compile_s": seconds}
+          "flops_per_chip": flops / chips, "step_time_lower_bound_s": flops / chips / peak,
+          "compile_s": seconds}
 
 
 def compile_learner(typed, architecture: ModelConfig, devices) -> object:
@@ -224,8 +225,8 @@ def fit(task: str, size: str, layers: int | None = None) -> dict:
     prefill, decode = compile_server(typed, architecture, devices, server_mesh)
     seconds = time.time() - start
     r = typed.rollout
-    entry["server_prefill"] = plan(prefill, server_chip, seconds, r.max_prefill_length
-                                   * forward_flops_per_token(architecture, r.max_prefill_length / 2), len(devices))
+    prefill_flops = r.max_prefill_length * forward_flops_per_token(architecture, r.max_prefill_length / 2)
+    entry["server_prefill"] = plan(prefill, server_chip, seconds, prefill_flops, len(devices))
     # one token per slot, attending over the whole cache (the decode computes every position, masked)
     entry["server_decode"] = plan(decode, server_chip, seconds,
                                   r.slots * forward_flops_per_token(architecture, r.max_length), len(devices))

@@ -67,8 +67,8 @@ def test_a_two_layer_learner_step_compiles_for_v5e_and_its_plan_matches_a_hand_c
 def test_the_server_decode_compiles_for_v5e_with_the_cache_over_slots_and_heads(fit_tpu):
   devices = fit_tpu.topology_devices("v5e:2x2")
   mesh = fit_tpu.mesh_over(devices, (2, 1, 2))
-  assert engine.cache_partition(SMALL, mesh, slots=8) == jax.sharding.PartitionSpec(None, "data", None, "tensor",
-                                                                                     None)
+  expected = jax.sharding.PartitionSpec(None, "data", None, "tensor", None)
+  assert engine.cache_partition(SMALL, mesh, slots=8) == expected
 
   class Rollout:
     slots, max_length, max_prefill_length = 8, 1024, 128

@@ -214,7 +214,7 @@ def serving_mesh(tensor_parallelism: int = 1, devices=None, *, data_parallelism:
 def cache_partition(config, mesh, slots: int) -> jax.sharding.PartitionSpec:
   """The KV cache [L, slots, S, KV, D] over a serving mesh: KV heads over `tensor` where they divide
   it, slots over `data` where they divide it."""
-  tensor, data = mesh.shape["tensor"], mesh.shape["data"]
+  tensor = mesh.shape["tensor"]
   heads = "tensor" if tensor > 1 and config.num_kv_heads % tensor == 0 else None
   return jax.sharding.PartitionSpec(None, slot_axis(mesh, slots), None, heads, None)
 

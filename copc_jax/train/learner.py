@@ -13,7 +13,8 @@ Inside the step:
   3. `epochs` × `num_minibatches` updates of the actor (preset's actor loss, with the KL term to a
      frozen reference when `kl_coef > 0`) and of the critic (clipped value loss), each with its
      own optimizer, as one `lax.scan`; each minibatch's gradient optionally accumulated over
-     `gradient_accumulation` row groups (the same gradient, the activations of one group). `critic_step` runs the same with the actor held still (the
+     `gradient_accumulation` row groups (the same gradient, the activations of one group).
+     `critic_step` runs the same with the actor held still (the
      critic warm-up); group presets train no critic.
 
 The metrics say what moves before a failure: the advantages before whitening (mean, std, min,

@@ -176,7 +176,8 @@ class TrainerConfig:
                        f"({self.num_minibatches})")
     if (self.batch_size // self.num_minibatches) % self.gradient_accumulation:
       raise ValueError(f"a minibatch of {self.batch_size // self.num_minibatches} rows (batch_size / "
-                       f"num_minibatches) must be divisible by gradient_accumulation ({self.gradient_accumulation})")
+                       f"num_minibatches) must be divisible by gradient_accumulation "
+                       f"({self.gradient_accumulation})")
     for name in ("actor_learning_rate", "critic_learning_rate", "max_grad_norm"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
@@ -294,7 +295,8 @@ class Trainer:
     group_rows = self.cfg.batch_size // self.cfg.num_minibatches // self.cfg.gradient_accumulation
     if group_rows % shards:
       raise ValueError(f"config.trainer.batch_size ({self.cfg.batch_size}) / num_minibatches "
-                       f"({self.cfg.num_minibatches}) / gradient_accumulation ({self.cfg.gradient_accumulation}) "
+                       f"({self.cfg.num_minibatches}) / gradient_accumulation "
+                       f"({self.cfg.gradient_accumulation}) "
                        f"must be divisible by the {shards} data x fsdp shards of the mesh {dict(mesh.shape)}")
     return mesh
 

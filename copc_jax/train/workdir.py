@@ -72,7 +72,7 @@ def move_aside(path: str) -> str | None:
   present = [name for name in HISTORY if os.path.exists(os.path.join(path, name))]
   if not present:
     return None
-  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
   target = os.path.join(path, f"previous_{stamp}")
   os.makedirs(target)
   for name in present:
