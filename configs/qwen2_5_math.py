@@ -42,7 +42,7 @@ def get_config(arg="7b"):
   config.model.update(dict(scan_layers=True, remat="full"))    # bf16 compute and splash attention on TPU
   config.sharding.mesh_shape = mesh
   config.task.update(dict(
-      name="math", system_prompt=True, train_path="/mnt/data/dapo-math-17k.parquet",
+      name="math", system_prompt=True, chat_template=True, train_path="/mnt/data/dapo-math-17k.parquet",
       eval_path="/mnt/data/aime-2024.parquet", question_field="prompt", answer_field="solution",
       eval_size=30, code_timeout_s=10.0, code_error_penalty=0.0))
   config.rollout.update(dict(

@@ -34,7 +34,7 @@ def get_config(arg="7b"):
   config.model.update(dict(scan_layers=True, remat="full"))    # bf16 compute and splash attention on TPU
   config.sharding.mesh_shape = mesh
   config.task.update(dict(
-      name="search", system_prompt=True, train_path="/mnt/data/nq_hotpotqa_train.parquet",
+      name="search", system_prompt=True, chat_template=True, train_path="/mnt/data/nq_hotpotqa_train.parquet",
       eval_path="/mnt/data/nq_hotpotqa_test.parquet", question_field="question",
       answer_field="golden_answers", retriever_url="http://127.0.0.1:8000", topk=3, reward_metric="em",
       eval_size=512))

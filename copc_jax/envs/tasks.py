@@ -32,6 +32,8 @@ DEMOS_PER_QUESTION = 4          # knowledge_search with 0 < demo_chain_fraction 
 class TaskConfig:
   name: str = "tool_arithmetic"
   system_prompt: bool = True          # False: the bare question (tiny models learn the format from demos)
+  chat_template: bool = False         # the prompt as a user turn through the tokenizer's chat template
+                                      # (instruct checkpoints), generation prompt added
   train_size: int = 512               # synthetic tasks
   eval_size: int = 128
   demo_tool_fraction: float = 1.0     # share of demonstrations that use the tool (the rest answer directly)
@@ -202,7 +204,22 @@ def _search(config: TaskConfig, seed: int) -> Task:
               _search_score(config))
 
 
-def make_task(config: TaskConfig, seed: int = 0) -> Task:
+def make_task(config: TaskConfig, seed: int = 0, tokenizer=None) -> Task:
+  """The task; with `config.chat_template` its prompts go through `tokenizer`'s chat template."""
   builders = {"tool_arithmetic": _tool_arithmetic, "knowledge_search": _knowledge_search,
               "math": _math, "search": _search}
-  return builders[config.name](config, seed)
+  task = builders[config.name](config, seed)
+  if config.chat_template:
+    task.prompt = chat_prompt(task.prompt, tokenizer)
+  return task
+
+
+def chat_prompt(prompt: Callable[[dict], str], tokenizer) -> Callable[[dict], str]:
+  """record → the task's prompt as one user turn of `tokenizer`'s chat template, followed by the
+  template's generation prompt (the assistant turn the policy writes)."""
+  if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    name = getattr(tokenizer, "name_or_path", None) or "the tokenizer"
+    raise ValueError(f"config.task.chat_template=True needs a tokenizer with a chat template; {name} has "
+                     f"none (instruct checkpoints ship one in tokenizer_config.json)")
+  return lambda record: tokenizer.apply_chat_template([{"role": "user", "content": prompt(record)}],
+                                                      add_generation_prompt=True, tokenize=False)

@@ -262,7 +262,6 @@ class Trainer:
     self.config, self.cfg = config, config.trainer
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    self.task = task or make_task(config.task, config.seed)
     self.processes = jax.process_count()
     if self.cfg.batch_size % self.processes:
       raise ValueError(f"config.trainer.batch_size ({self.cfg.batch_size}) must be divisible by the "
@@ -276,6 +275,7 @@ class Trainer:
     self.tokenizer = hf_io.load_tokenizer(
         tokenizer_dir(config, *filter(None, (actor_checkpoint, self.base_checkpoint))),
         needed_for="the trainer (prompts, tool outputs and answers are text)")
+    self.task = task or make_task(config.task, config.seed, self.tokenizer)
     critic = ValueModel.from_policy(actor, rngs=nnx.Rngs(config.seed + 1))
     self.learner = Learner(actor, critic, learner_config(config), mesh=mesh,
                            rules=config.sharding.rules, seed=config.seed)
@@ -637,10 +637,12 @@ def train_and_evaluate(config, workdir: str, *, backend_factory=None, fresh_star
   """
   workdir = os.path.abspath(workdir)
   with workdir_lib.claim(workdir, fresh_start=fresh_start, process_index=jax.process_index(), log=_say):
-    task = make_task(config.task, config.seed)
+    base = base_checkpoint(config, workdir)
+    tokenizer = (hf_io.load_tokenizer(tokenizer_dir(config, base), needed_for="config.task.chat_template")
+                 if config.task.chat_template else None)
+    task = make_task(config.task, config.seed, tokenizer)
     actor_checkpoint = None
     if config.warm_start.steps:
-      base = base_checkpoint(config, workdir)
       actor_checkpoint = warm_start.prepare(task, base, os.path.join(workdir, "warm_start"), config.warm_start,
                                             seed=config.seed, log=_say,
                                             tokenizer_dir=tokenizer_dir(config, base))

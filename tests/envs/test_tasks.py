@@ -59,3 +59,39 @@ def test_math_and_search_tasks_from_files():
   assert math.train and math.demonstration is None
   with pytest.raises(ValueError, match="no demonstrations"):
     math.demonstrations(math.train)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_wraps_the_prompt_as_one_user_turn(tmp_path):
+  """`task.chat_template`: the prompt the policy sees is the tokenizer's template around the task's
+  own prompt, with the generation prompt; saved and loaded with the tokenizer; the demonstrations
+  of the warm start use the same prompt."""
+  import transformers
+
+  from copc_jax.models import hf_io, tiny
+
+  tokenizer = tiny.make_tokenizer()
+  tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)    # as Qwen's tokenizer has them
+  tokenizer.chat_template = CHATML
+  tokenizer.save_pretrained(tmp_path)
+  loaded = hf_io.load_tokenizer(str(tmp_path), needed_for="this test")
+  assert isinstance(loaded, transformers.PreTrainedTokenizerBase)
+  plain = make_task(TaskConfig(name="tool_arithmetic", train_size=8, eval_size=4))
+  chat = make_task(TaskConfig(name="tool_arithmetic", train_size=8, eval_size=4, chat_template=True),
+                   tokenizer=loaded)
+  record = chat.train[0]
+  assert chat.prompt(record) == f"<|im_start|>user\n{plain.prompt(record)}<|im_end|>\n<|im_start|>assistant\n"
+  assert chat.demonstrations([record])[0]["prompt"] == chat.prompt(record)
+  ids = loaded.encode(chat.prompt(record), add_special_tokens=False)
+  assert loaded.convert_tokens_to_ids("<|im_start|>") in ids                # the tags are whole tokens
+
+
+def test_a_chat_template_without_one_in_the_tokenizer_is_one_clear_error():
+  from copc_jax.models import tiny
+
+  with pytest.raises(ValueError, match="chat_template=True needs a tokenizer with a chat template"):
+    make_task(TaskConfig(name="tool_arithmetic", train_size=8, eval_size=4, chat_template=True),
+              tokenizer=tiny.make_tokenizer())
