@@ -3,7 +3,10 @@
     python -m copc_jax.main --distributed --config=configs/qwen2_5_math.py:7b --workdir=$WORKDIR \
         --config.rollout.addresses="('10.0.0.2:9000','10.0.0.3:9000')"
 
-(tpu_scripts/start_learner.sh runs exactly this on every host of the slice.) The checkpoint, the data
+(tpu_scripts/start_learner.sh runs exactly this on every host of the slice.) The data are the
+releases turned into the task's rows: `python -m copc_jax.data.prepare --source=dapo_math
+--input=dapo-math-17k.parquet --output=/mnt/data/dapo_math_17k.jsonl`, and `--source=aime_2024` for the
+evaluation set. The checkpoint, the data
 and the workdir are paths on the hosts; the workdir must be shared with the servers, which load each
 pushed version from it. Settings follow the anchors (DAPO-Math-17k for training, AIME-24 for eval,
 16k-token contexts, γ = λ = 1, batch 512 in 4 minibatches).
@@ -42,8 +45,8 @@ def get_config(arg="7b"):
   config.model.update(dict(scan_layers=True, remat="full"))    # bf16 compute and splash attention on TPU
   config.sharding.mesh_shape = mesh
   config.task.update(dict(
-      name="math", system_prompt=True, chat_template=True, train_path="/mnt/data/dapo-math-17k.parquet",
-      eval_path="/mnt/data/aime-2024.parquet", question_field="prompt", answer_field="solution",
+      name="math", system_prompt=True, chat_template=True, train_path="/mnt/data/dapo_math_17k.jsonl",
+      eval_path="/mnt/data/aime_2024.jsonl", question_field="question", answer_field="answer",
       eval_size=30, code_timeout_s=10.0, code_error_penalty=0.0))
   config.rollout.update(dict(
       addresses=(), num_servers=1, slots=64, max_prefill_length=4096, max_length=16384, max_in_flight=64,

@@ -4,7 +4,9 @@
         --config.rollout.addresses="('10.0.0.2:9000',)" --config.task.retriever_url=http://10.0.0.9:8000
 
 The retriever is a separate service (`python -m copc_jax.envs.search --index=DIR`, or any server
-with Search-R1's POST /retrieve API); exact match is the reward.
+with Search-R1's POST /retrieve API); exact match is the reward. The data: `python -m copc_jax.data.prepare
+--source=search_r1 --input=<Search-R1's train.parquet> --output=/mnt/data/nq_hotpotqa_train.jsonl` (and
+its test split).
 """
 
 from configs import common
@@ -34,9 +36,9 @@ def get_config(arg="7b"):
   config.model.update(dict(scan_layers=True, remat="full"))    # bf16 compute and splash attention on TPU
   config.sharding.mesh_shape = mesh
   config.task.update(dict(
-      name="search", system_prompt=True, chat_template=True, train_path="/mnt/data/nq_hotpotqa_train.parquet",
-      eval_path="/mnt/data/nq_hotpotqa_test.parquet", question_field="question",
-      answer_field="golden_answers", retriever_url="http://127.0.0.1:8000", topk=3, reward_metric="em",
+      name="search", system_prompt=True, chat_template=True, train_path="/mnt/data/nq_hotpotqa_train.jsonl",
+      eval_path="/mnt/data/nq_hotpotqa_test.jsonl", question_field="question",
+      answer_field="answer", retriever_url="http://127.0.0.1:8000", topk=3, reward_metric="em",
       eval_size=512))
   config.rollout.update(dict(
       slots=128, max_prefill_length=4096, max_length=8192, max_in_flight=128, max_turns=4,

@@ -18,8 +18,9 @@ from copc_jax import estimators, losses, presets
 preset = presets.get_preset("copc")
 rewards = jnp.zeros((2, 5)).at[:, -1].set(1.0)
 mask = jnp.ones((2, 5), bool)
-advantages, returns = estimators.coupled_advantages(rewards, jnp.zeros((2, 5)), jnp.zeros((2, 5)),
-                                                    jnp.zeros((2, 5)), mask, **preset.estimator.estimator_kwargs())
+zeros = jnp.zeros((2, 5))
+advantages, returns = estimators.coupled_advantages(rewards, zeros, zeros, zeros, mask,
+                                                    **preset.estimator.estimator_kwargs())
 assert advantages.shape == (2, 5) and float(returns[0, 0]) == 1.0, (advantages, returns)
 missing = [m for m in ("flax", "optax", "transformers", "orbax") if importlib.util.find_spec(m)]
 print("ok", missing)
