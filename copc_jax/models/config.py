@@ -1,11 +1,14 @@
-"""Architecture hyper-parameters of the Llama/Qwen2 decoder family, read from a Hugging Face config."""
+"""Architecture hyper-parameters of the Llama/Qwen2/Qwen3 decoder family, read from a Hugging Face config.
+
+Qwen3 (dense) is Qwen2 without the q/k/v biases and with an RMSNorm over each head's queries and keys
+before RoPE (`qk_norm`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -27,6 +30,7 @@ class ModelConfig:
   qkv_bias: bool = True
   o_bias: bool = False
   mlp_bias: bool = False
+  qk_norm: bool = False          # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
   bos_token_id: int | None = None
   eos_token_id: int | None = None
 
@@ -46,7 +50,7 @@ class ModelConfig:
 
   @classmethod
   def from_hf(cls, hf_config) -> ModelConfig:
-    """From a `transformers` config object (LlamaConfig, Qwen2Config)."""
+    """From a `transformers` config object (LlamaConfig, Qwen2Config, Qwen3Config)."""
     get = lambda name, default=None: getattr(hf_config, name, default)
     model_type = get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -80,6 +84,7 @@ class ModelConfig:
         qkv_bias=True if model_type == "qwen2" else attention_bias,
         o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
         bos_token_id=get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
@@ -99,4 +104,6 @@ class ModelConfig:
     )
     if self.model_type == "qwen2":
       return transformers.Qwen2Config(**common)
+    if self.model_type == "qwen3":
+      return transformers.Qwen3Config(attention_bias=self.qkv_bias, **common)
     return transformers.LlamaConfig(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias, **common)

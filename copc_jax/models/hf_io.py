@@ -43,6 +43,9 @@ def hf_parameter_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
     hf, ours = f"model.layers.{i}", f"model/layers/{i}"
     for norm in ("input_layernorm", "post_attention_layernorm"):
       names[f"{hf}.{norm}.weight"] = (f"{ours}/{norm}/weight", False)
+    if config.qk_norm:
+      for norm in ("q_norm", "k_norm"):
+        names[f"{hf}.self_attn.{norm}.weight"] = (f"{ours}/self_attn/{norm}/weight", False)
     for group, proj, bias in projections:
       names[f"{hf}.{group}.{proj}.weight"] = (f"{ours}/{group}/{proj}/kernel", True)
       if bias:

@@ -76,7 +76,7 @@ def apply_rope(x_bthd, positions_bt, inv_freq):
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with optional q/k/v biases (Qwen2)."""
+  """Grouped-query attention with optional q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
 
   def __init__(self, config: ModelConfig, *, rngs, dtype=jnp.float32, implementation: str = "reference"):
     h, d = config.hidden_size, config.head_dim
@@ -90,10 +90,17 @@ class Attention(nnx.Module):
                          rngs=rngs, dtype=dtype)
     self.o_proj = Linear(config.num_heads * d, h, axes=("heads", "embed"), bias=config.o_bias,
                          rngs=rngs, dtype=dtype)
+    if config.qk_norm:
+      self.q_norm = RMSNorm(d, config.rms_norm_eps, rngs=rngs, dtype=dtype)
+      self.k_norm = RMSNorm(d, config.rms_norm_eps, rngs=rngs, dtype=dtype)
+    self.qk_norm = config.qk_norm
+
+  def _normed(self, norm_name: str, x_bthd):
+    return getattr(self, norm_name)(x_bthd) if self.qk_norm else x_bthd
 
   def project_kv(self, x_btd, positions_bt, inv_freq):
     b, t, _ = x_btd.shape
-    k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+    k = self._normed("k_norm", self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim))
     v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
     return apply_rope(k, positions_bt, inv_freq), v
 
@@ -101,8 +108,8 @@ class Attention(nnx.Module):
     """Attend from x's queries to the given keys/values; `visible_bts[b, t, s]` says which (or, for
     the "splash" kernel, `segment_ids_bt`: causal within a segment)."""
     b, t, _ = x_btd.shape
-    q = apply_rope(self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim), positions_bt,
-                   inv_freq)
+    q = apply_rope(self._normed("q_norm", self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)),
+                   positions_bt, inv_freq)
     # a cache (decoding), no segment ids or a length the kernel's 128-blocks do not tile: the dense
     # mask, through XLA
     implementation = self.implementation

@@ -49,7 +49,7 @@ def tiny_config(arch: str = "qwen2", vocab_size: int | None = None, **overrides)
   vocab_size = vocab_size or len(tiny_vocabulary())
   base = dict(model_type=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-              tie_word_embeddings=arch == "qwen2", qkv_bias=arch == "qwen2",
+              tie_word_embeddings=arch != "llama", qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
               bos_token_id=1, eos_token_id=2, max_position_embeddings=2048)
   base.update(overrides)
   return ModelConfig(**base)
@@ -66,7 +66,7 @@ def make_tiny_checkpoint(path: str, arch: str = "qwen2", seed: int = 0, **overri
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
-  parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+  parser.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   config = make_tiny_checkpoint(args.out, args.arch, args.seed)

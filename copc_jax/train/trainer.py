@@ -90,8 +90,8 @@ class ModelSource:
   attention: str = "auto"       # auto (splash on TPU, xla elsewhere) | reference | xla | cudnn | splash
 
   def __post_init__(self):
-    if self.tiny_arch not in ("qwen2", "llama"):
-      raise ValueError(f"tiny_arch must be 'qwen2' or 'llama'; got {self.tiny_arch!r}")
+    if self.tiny_arch not in ("qwen2", "qwen3", "llama"):
+      raise ValueError(f"tiny_arch must be 'qwen2', 'qwen3' or 'llama'; got {self.tiny_arch!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"model.{name} must be 'auto', 'float32' or 'bfloat16'; got {getattr(self, name)!r}")

@@ -26,6 +26,9 @@ def hf_config(arch):
   if arch == "qwen2":
     return transformers.Qwen2Config(tie_word_embeddings=True, rms_norm_eps=1e-6,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
+  if arch == "qwen3":       # head_dim 32 with 4 heads: q_proj is wider than the hidden size, as in Qwen3
+    return transformers.Qwen3Config(tie_word_embeddings=True, rms_norm_eps=1e-6, head_dim=32,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
   return transformers.LlamaConfig(
       tie_word_embeddings=False, rms_norm_eps=1e-5,
       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -36,10 +39,12 @@ def hf_config(arch):
 def write_torch_checkpoint(path, arch, **save_kw):
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(hf_config(arch)).float().eval()
-  with torch.no_grad():  # HF zero-inits biases; make them non-trivial so they are tested
+  with torch.no_grad():  # HF zero-inits biases and one-inits norms; make them non-trivial so they are tested
     for name, param in model.named_parameters():
       if name.endswith("bias"):
         param.normal_(0, 0.1)
+      if name.endswith("norm.weight"):
+        param.uniform_(0.5, 1.5)
   model.save_pretrained(path, **save_kw)
   tiny.make_tokenizer().save_pretrained(path)
   return model
@@ -51,7 +56,7 @@ def torch_logits(model, ids, attention_mask=None):
     return model(torch.tensor(ids), attention_mask=mask).logits.numpy()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_logits_match_pytorch(tmp_path, arch):
   reference = write_torch_checkpoint(tmp_path, arch)
   model, tokenizer = hf_io.from_pretrained(str(tmp_path))
@@ -63,7 +68,7 @@ def test_logits_match_pytorch(tmp_path, arch):
   np.testing.assert_allclose(np.asarray(model(ids)), torch_logits(reference, ids), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_logits_match_pytorch_with_left_padding(tmp_path, arch):
   reference = write_torch_checkpoint(tmp_path, arch)
   model, _ = hf_io.from_pretrained(str(tmp_path), load_tokenizer=False)
@@ -83,7 +88,7 @@ def test_sharded_checkpoint_loads(tmp_path):
   np.testing.assert_allclose(np.asarray(model(ids)), torch_logits(reference, ids), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_export_is_read_back_by_transformers(tmp_path, arch):
   tiny.make_tiny_checkpoint(str(tmp_path / "ours"), arch)
   model, _ = hf_io.from_pretrained(str(tmp_path / "ours"))
