@@ -30,6 +30,9 @@ flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first
                   "of a multi-host slice (on TPU VMs it finds the coordinator itself).")
 flags.DEFINE_bool("fresh_start", False, "Start over: move a previous run's files in --workdir into "
                   "previous_<time>/ (without it, a run resumes from the workdir's checkpoint).")
+flags.DEFINE_integer("dry_run_rollouts", 0, "Instead of training: print this many episodes of the start "
+                     "policy with their rewards, and their reward, accuracy and tool-call rate "
+                     "(DIR/dry_run_rollouts.json).", lower_bound=0)
 flags.DEFINE_bool("verbose", False, "Show tracebacks of command-line and config mistakes.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -109,7 +112,9 @@ def main(argv):
     except OSError as err:
       raise ValueError(explain_flag_error(err, sys.argv)) from err
     config = config_lib.from_config_dict(raw)
-    if config.job == "train" and not FLAGS.distributed:
+    if FLAGS.dry_run_rollouts and config.job != "train":
+      raise ValueError(f"--dry_run_rollouts runs the train job's start policy; config.job is {config.job!r}")
+    if config.job == "train" and not FLAGS.distributed and not FLAGS.dry_run_rollouts:
       workdir.check(FLAGS.workdir, fresh_start=FLAGS.fresh_start)
     elif os.path.exists(FLAGS.workdir) and not os.path.isdir(FLAGS.workdir):
       raise WorkdirError(f"--workdir={FLAGS.workdir}: exists and is not a directory")
@@ -125,7 +130,9 @@ def main(argv):
           f"devices: {jax.devices()}\nconfig (resolved): {json.dumps(dataclasses.asdict(config), default=str)}",
           file=sys.stderr, flush=True)
   try:
-    if config.job == "train":
+    if FLAGS.dry_run_rollouts:
+      trainer.dry_run_rollouts(config, FLAGS.workdir, FLAGS.dry_run_rollouts)
+    elif config.job == "train":
       trainer.run(config, FLAGS.workdir, fresh_start=FLAGS.fresh_start)
     else:
       JOBS[config.job](config, FLAGS.workdir)

@@ -380,6 +380,25 @@ class Trainer:
         logger.close()
     return self._summary(wall_start)
 
+  def sample_start_policy(self, count: int) -> list[rollouts.Episode]:
+    """`count` episodes of the actor as it starts RL, on the first training prompts that fit, sampled
+    as training samples them (on its servers, with its tools and rewards); nothing is trained."""
+    backend = self.backend_factory()
+    try:
+      self._check_servers(backend)
+      runner = rollouts.EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
+                                      seed=(self.config.seed, jax.process_index()))
+      weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
+                            transfer=self.config.rollout.weight_transfer)
+      try:
+        weights.push(0, self.learner.actor)
+        records = [{**r, "draw": i} for i, r in enumerate(r for r in self.task.train if runner.fits(r))][:count]
+        return rollouts.collect(runner, records, self.config.rollout.concurrency)
+      finally:
+        weights.close()
+    finally:
+      backend.close()
+
   def _check_servers(self, backend) -> None:
     """Servers must fit the rollout config's lengths and serve the learner's model (`server_check`)."""
     if not hasattr(backend, "status"):
@@ -648,6 +667,47 @@ def train_and_evaluate(config, workdir: str, *, backend_factory=None, fresh_star
                                             tokenizer_dir=tokenizer_dir(config, base))
     return Trainer(config, workdir, actor_checkpoint=actor_checkpoint, task=task,
                    backend_factory=backend_factory).run()
+
+
+def dry_run_rollouts(config, workdir: str, count: int) -> dict:
+  """`--dry_run_rollouts=N`: N episodes of the start policy (after the warm start, if the config has
+  one; cached in DIR/warm_start as a training run caches it), each printed with its reward, and what
+  they say about the task's format written to DIR/dry_run_rollouts.json: mean reward, accuracy, the
+  share of episodes that called the tool, turns and finish reasons. The servers and weights of the
+  dry run live in DIR/dry_run; nothing is trained and no training history is written."""
+  workdir = os.path.abspath(workdir)
+  base = base_checkpoint(config, workdir)
+  tokenizer = hf_io.load_tokenizer(tokenizer_dir(config, base), needed_for="the dry run")
+  task = make_task(config.task, config.seed, tokenizer)
+  actor_checkpoint = (warm_start.prepare(task, base, os.path.join(workdir, "warm_start"), config.warm_start,
+                                         seed=config.seed, log=_say, tokenizer_dir=tokenizer_dir(config, base))
+                      if config.warm_start.steps else None)
+  trainer = Trainer(config, os.path.join(workdir, "dry_run"), actor_checkpoint=actor_checkpoint, task=task)
+  episodes = trainer.sample_start_policy(count)
+  tool_output_opening = task.tool_output[0]      # in the response only where the tool answered a call
+  rows = []
+  for i, episode in enumerate(episodes):
+    response = trainer.tokenizer.decode(episode.trajectory.token_ids, skip_special_tokens=True)
+    rows.append({"question": episode.record["question"], "response": response,
+                 "reward": episode.trajectory.reward, "correct": episode.correct,
+                 "called_tool": tool_output_opening in response, "turns": episode.trajectory.num_turns,
+                 "finish_reason": episode.trajectory.finish_reason})
+    print(f"--- episode {i}: reward {episode.trajectory.reward:.3f}, correct {episode.correct}, "
+          f"turns {episode.trajectory.num_turns}, {episode.trajectory.finish_reason}\n{response}", flush=True)
+  n = max(len(rows), 1)
+  summary = {"episodes": len(rows), "start_policy": actor_checkpoint or base,
+             "mean_reward": sum(r["reward"] for r in rows) / n, "accuracy": sum(r["correct"] for r in rows) / n,
+             "tool_call_rate": sum(r["called_tool"] for r in rows) / n,
+             "mean_turns": sum(r["turns"] for r in rows) / n,
+             "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows)
+                                for k in sorted({str(r["finish_reason"]) for r in rows})},
+             "rows": rows}
+  with open(os.path.join(workdir, "dry_run_rollouts.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  print(f"dry run: {len(rows)} episodes, mean reward {summary['mean_reward']:.3f}, accuracy "
+        f"{summary['accuracy']:.3f}, tool calls {summary['tool_call_rate']:.3f}; "
+        f"{os.path.join(workdir, 'dry_run_rollouts.json')}", flush=True)
+  return summary
 
 
 def run(config, workdir: str, *, fresh_start: bool = False) -> dict:
