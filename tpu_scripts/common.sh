@@ -19,16 +19,44 @@ runtime_version_for() {
   esac
 }
 
+# The zones that offer each TPU generation (cloud.google.com/tpu/docs/regions-zones, North America and
+# Europe as of 2026); SKIP_ZONE_CHECK=1 accepts a zone this table does not know yet.
+zones_for() {
+  case "$1" in
+    v6e-*) echo "us-central1-b us-east1-d us-east5-a us-east5-b europe-west4-a" ;;
+    v5p-*) echo "us-central1-a us-east5-a" ;;
+    v5litepod-* | v5e-*) echo "us-central1-a us-south1-a us-west1-c us-west4-a" ;;
+    v4-*) echo "us-central2-b" ;;
+    *) echo "" ;;
+  esac
+}
+
+# Refuse, in one line, an accelerator type in a zone that does not offer it (dry runs too).
+check_zone() {
+  local role="$1" type="$2" zone="$3" zones
+  zones="$(zones_for "$type")"
+  if [[ "${SKIP_ZONE_CHECK:-0}" != 1 && " $zones " != *" $zone "* ]]; then
+    echo "${role}_ZONE=$zone does not offer $type (${role}_TYPE); zones that do: ${zones:-none known}" \
+      "(SKIP_ZONE_CHECK=1 to try anyway)" >&2
+    exit 2
+  fi
+}
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"          # reads the config (bash setup.sh installs it)
 PROJECT="${PROJECT:-your-gcp-project}"
-ZONE="${ZONE:-us-east5-a}"
+ZONE="${ZONE:-us-central1-a}"                       # offers v5p and v5e; each role may have its own
+LEARNER_ZONE="${LEARNER_ZONE:-$ZONE}"
+SERVER_ZONE="${SERVER_ZONE:-$ZONE}"
 LEARNER_TPU="${LEARNER_TPU:-copc-learner}"          # a multi-host slice: one learner process per host
 LEARNER_TYPE="${LEARNER_TYPE:-v5p-32}"
 LEARNER_RUNTIME_VERSION="${LEARNER_RUNTIME_VERSION:-$(runtime_version_for "$LEARNER_TYPE")}"
 SERVER_TPU_PREFIX="${SERVER_TPU_PREFIX:-copc-server}"  # single-host VMs, one JetStream server each
 SERVER_TYPE="${SERVER_TYPE:-v5litepod-8}"
 SERVER_RUNTIME_VERSION="${SERVER_RUNTIME_VERSION:-$(runtime_version_for "$SERVER_TYPE")}"
+TIER="${TIER:-on-demand}"         # queued resources: on-demand | spot | reserved | best-effort
+JAX_VERSION="${JAX_VERSION:-0.10.2}"   # jax[tpu] on the VMs: the version the tests ran with (pyproject's tpu extra)
+UV_PYTHON="${UV_PYTHON:-3.12}"    # the VMs' Python, through uv (the images' own is 3.10; copc_jax needs 3.11+)
 NUM_SERVERS="${NUM_SERVERS:-2}"
 SERVER_PORT="${SERVER_PORT:-9000}"
 REPO_URL="${REPO_URL:-https://github.com/copc-jax/copc_jax.git}"
@@ -79,11 +107,22 @@ server_name() {
   echo "${SERVER_TPU_PREFIX}-$1"
 }
 
+# The zone of a VM of this run: the learner's or the servers'.
+zone_of() {
+  if [[ "$1" == "$LEARNER_TPU" ]]; then echo "$LEARNER_ZONE"; else echo "$SERVER_ZONE"; fi
+}
+
 # Run a shell command on one worker (or "all") of a TPU VM.
 on_tpu() {
   local name="$1" worker="$2" command="$3"
-  run gcloud compute tpus tpu-vm ssh "$name" --project="$PROJECT" --zone="$ZONE" --worker="$worker" \
-    --command="$command"
+  run gcloud compute tpus tpu-vm ssh "$name" --project="$PROJECT" --zone="$(zone_of "$name")" \
+    --worker="$worker" --command="$command"
+}
+
+# A command that runs on after the ssh session ends (a dropped connection must not stop a run).
+detached() {
+  local log="$1" command="$2"
+  echo "nohup setsid bash -c $(printf %q "$command") > $log 2>&1 < /dev/null &"
 }
 
 # Internal IP address of a single-host TPU VM (a placeholder in --dry-run).
@@ -91,7 +130,7 @@ internal_ip() {
   if [[ "$DRY_RUN" == 1 ]]; then
     echo "IP_OF_$1"
   else
-    gcloud compute tpus tpu-vm describe "$1" --project="$PROJECT" --zone="$ZONE" \
+    gcloud compute tpus tpu-vm describe "$1" --project="$PROJECT" --zone="$(zone_of "$1")" \
       --format='value(networkEndpoints[0].ipAddress)'
   fi
 }
@@ -114,6 +153,6 @@ ensure_token() {
 distribute_token() {
   local name="$1" worker="$2"
   run gcloud compute tpus tpu-vm scp "$AUTH_TOKEN_FILE" "$name:$REMOTE_TOKEN" --project="$PROJECT" \
-    --zone="$ZONE" --worker="$worker"
+    --zone="$(zone_of "$name")" --worker="$worker"
   on_tpu "$name" "$worker" "chmod 600 $REMOTE_TOKEN"
 }

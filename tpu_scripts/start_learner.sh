@@ -5,7 +5,9 @@
 #     bash tpu_scripts/start_learner.sh [--dry-run]
 #
 # Settings (environment): ADDRESSES (printed by start_servers.sh), CONFIG, WORKDIR, plus
-# those of create_tpu_vms.sh. Rerunning the same command resumes from WORKDIR's checkpoints.
+# those of create_tpu_vms.sh. The learner runs detached (a dropped ssh connection does not stop it):
+# logs.sh pulls its log, stop.sh stops it (SIGTERM: it saves a checkpoint first). Rerunning the same
+# command resumes from WORKDIR's checkpoints.
 
 # shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
@@ -21,6 +23,7 @@ checkpoint_flag="${CHECKPOINT:+ --config.model.checkpoint=$CHECKPOINT}"   # defa
 
 ensure_token
 distribute_token "$LEARNER_TPU" all          # the servers' shared token (start_servers.sh created it)
-on_tpu "$LEARNER_TPU" all "cd $REMOTE_DIR && .venv/bin/python -m copc_jax.main --distributed \
+learner_command="cd $REMOTE_DIR && exec .venv/bin/python -m copc_jax.main --distributed \
 --config=$CONFIG --workdir=$WORKDIR$checkpoint_flag \
---config.rollout.addresses=\"$address_tuple\" --config.rollout.auth_token_file=$REMOTE_TOKEN > learner.log 2>&1"
+--config.rollout.addresses=\"$address_tuple\" --config.rollout.auth_token_file=$REMOTE_TOKEN"
+on_tpu "$LEARNER_TPU" all "$(detached "$REMOTE_DIR/learner.log" "$learner_command")"

@@ -9,7 +9,9 @@
 # VM; the dtype and the split of each VM's chips, data groups x tensor, are its rollout.server_dtype,
 # server_data_parallelism and server_tensor_parallelism), SERVER_PORT, AUTH_TOKEN_FILE (the shared token, created if missing), plus those of
 # create_tpu_vms.sh. The servers load new weights only from paths under WORKDIR, which must be shared
-# with the learner, and answer only calls that carry the token.
+# with the learner, and answer only calls that carry the token. Each server runs detached and the
+# script waits (READY_TIMEOUT_S, default 1800) until every one has written its ready file (it accepts
+# requests once compiled); stop.sh stops them.
 
 # shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
@@ -32,12 +34,17 @@ for i in $(seq 0 $((NUM_SERVERS - 1))); do
   name="$(server_name "$i")"
   distribute_token "$name" 0
   # Every call must carry the shared token; weights are read only from the run's WORKDIR.
-  on_tpu "$name" 0 "cd $REMOTE_DIR && nohup .venv/bin/python -m copc_jax.rollout.serve \
+  server_command="cd $REMOTE_DIR && rm -f server.ready && exec .venv/bin/python -m copc_jax.rollout.serve \
 --checkpoint=$CHECKPOINT --host=0.0.0.0 --port=$SERVER_PORT --slots=$SLOTS \
 --max_prefill_length=$MAX_PREFILL_LENGTH --max_length=$MAX_LENGTH --seed=$i --version=-1 \
 --dtype=$SERVER_DTYPE --data_parallelism=$DATA_PARALLELISM --tensor_parallelism=$TENSOR_PARALLELISM \
---auth_token_file=$REMOTE_TOKEN --weights_root=$WORKDIR \
-> server.log 2>&1 &"
+--auth_token_file=$REMOTE_TOKEN --weights_root=$WORKDIR --ready_file=server.ready"
+  on_tpu "$name" 0 "$(detached "$REMOTE_DIR/server.log" "$server_command")"
   addresses+=("$(internal_ip "$name"):$SERVER_PORT")
+done
+ready_wait="for i in \$(seq 1 $((${READY_TIMEOUT_S:-1800} / 10))); do test -s $REMOTE_DIR/server.ready && exit 0; \
+sleep 10; done; echo 'not ready: see $REMOTE_DIR/server.log'; tail -n 20 $REMOTE_DIR/server.log; exit 1"
+for i in $(seq 0 $((NUM_SERVERS - 1))); do
+  on_tpu "$(server_name "$i")" 0 "$ready_wait"
 done
 echo "ADDRESSES=$(IFS=,; echo "${addresses[*]}")"
