@@ -79,3 +79,47 @@ def test_the_readme_links_every_notebook_in_colab():
   for name in NOTEBOOKS:
     assert (f"https://colab.research.google.com/github/copc-jax/copc_jax/blob/main/experiments/notebooks/"
             f"{name}.ipynb") in readme
+
+
+def test_every_notebook_opens_with_the_one_setup_cell():
+  with open(os.path.join(NOTEBOOK_DIR, "first_cell.py")) as f:
+    source = f.read().rstrip("\n")
+  for name in NOTEBOOKS:
+    first = next(c for c in read(name)["cells"] if c["cell_type"] == "code")
+    assert "".join(first["source"]) == source, f"{name}: run execute.py --sync-first-cell"
+
+
+@pytest.mark.parametrize("colab", [False, True])
+def test_the_setup_cell_runs_twice_in_one_kernel(tmp_path, colab):
+  """As after Colab's runtime restart: the second run finds the clone and its install (a marker) and
+  chdirs again. In the Colab branch the clone is this checkout's copy and the marker names this
+  machine's backend, so nothing is installed; the backend check runs."""
+  import nbformat
+  from nbclient import NotebookClient
+
+  with open(os.path.join(NOTEBOOK_DIR, "first_cell.py")) as f:
+    cell = f.read()
+  if colab:
+    clone = tmp_path / "clone"
+    os.makedirs(clone / "experiments")
+    for name in ("pyproject.toml", "README.md"):
+      os.symlink(os.path.join(ROOT, name), clone / name)
+    for name in ("copc_jax", "configs"):
+      os.symlink(os.path.join(ROOT, name), clone / name)
+    os.symlink(NOTEBOOK_DIR, clone / "experiments" / "notebooks")
+    (clone / ".colab_installed").write_text("cpu")
+    # google.colab as far as the cell and jax's debugger (which imports google.colab.output) look
+    prelude = (f"import os, sys, types\ncolab = types.ModuleType('google.colab')\n"
+               f"colab.output = types.ModuleType('google.colab.output')\n"
+               f"sys.modules.update({{'google.colab': colab, 'google.colab.output': colab.output}})\n"
+               f"os.environ['COPC_REPO_DIR'] = {str(clone)!r}\n")
+  else:
+    prelude = f"import os\nos.chdir({ROOT!r})\n"          # a checkout, started from its root
+  check = "import os\nprint('cwd', os.path.basename(os.getcwd()), nb.__name__)\n"
+  cells = [nbformat.v4.new_code_cell(source) for source in (prelude, cell, cell, check)]
+  notebook = nbformat.v4.new_notebook(cells=cells)
+  NotebookClient(notebook, timeout=300, kernel_name="python3",
+                 resources={"metadata": {"path": str(tmp_path)}}).execute()
+  outputs = ["".join(o.get("text", "") for o in c.outputs) for c in notebook.cells]
+  assert outputs[1] == outputs[2] and "JAX backend: cpu" in outputs[2]
+  assert outputs[3].strip() == "cwd notebooks notebook_lib"

@@ -3,6 +3,7 @@
   python experiments/notebooks/execute.py                  # every notebook, full setting, saved in place
   python experiments/notebooks/execute.py quickstart       # one of them
   COPC_NOTEBOOK_SMOKE=1 python experiments/notebooks/execute.py --no-save  # as the tests do
+  python experiments/notebooks/execute.py --sync-first-cell   # first_cell.py into every notebook, no run
 
 A notebook that raises stops with the failing cell's error. A notebook whose outputs would show
 this checkout's absolute path is not saved (the committed notebooks name no machine's paths).
@@ -38,15 +39,40 @@ def machine_paths(notebook) -> list[str]:
   return [line.strip()[:200] for line in text.splitlines() if ROOT in line]
 
 
+FIRST_CELL = os.path.join(HERE, "first_cell.py")
+
+
+def sync_first_cell(name: str) -> bool:
+  """Write `first_cell.py` (the one setup cell every notebook opens with) into `name`.ipynb's first
+  code cell, keeping its outputs; True if it changed."""
+  import nbformat
+  path = os.path.join(HERE, f"{name}.ipynb")
+  notebook = nbformat.read(path, as_version=4)
+  cell = next(c for c in notebook.cells if c.cell_type == "code")
+  with open(FIRST_CELL) as f:
+    source = f.read().rstrip("\n")
+  if cell.source == source:
+    return False
+  cell.source = source
+  nbformat.write(notebook, path)
+  return True
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("names", nargs="*", help=f"default: all of {NOTEBOOKS}")
   parser.add_argument("--no-save", action="store_true", help="execute only")
+  parser.add_argument("--sync-first-cell", action="store_true",
+                      help="write first_cell.py into each, run nothing")
   args = parser.parse_args()
   unknown = set(args.names) - set(NOTEBOOKS)
   if unknown:
     parser.error(f"unknown notebooks {sorted(unknown)}; allowed: {NOTEBOOKS}")
   import nbformat
+  if args.sync_first_cell:
+    for name in args.names or NOTEBOOKS:
+      print(f"{name}: {'updated' if sync_first_cell(name) else 'unchanged'}")
+    return
   for name in args.names or NOTEBOOKS:
     start = time.time()
     notebook = execute(name)
