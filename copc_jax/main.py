@@ -33,8 +33,10 @@ flags.DEFINE_bool("fresh_start", False, "Start over: move a previous run's files
 flags.DEFINE_integer("dry_run_rollouts", 0, "Instead of training: print this many episodes of the start "
                      "policy with their rewards, and their reward, accuracy and tool-call rate "
                      "(DIR/dry_run_rollouts.json).", lower_bound=0)
+flags.DEFINE_bool("print_config", False, "Print the resolved, validated config as JSON and exit (no workdir "
+                  "needed).")
 flags.DEFINE_bool("verbose", False, "Show tracebacks of command-line and config mistakes.")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flag_as_required("config")
 
 JOBS = {"train": trainer.run, "gradient_check": synthetic.run}
 USAGE_ERROR = 2
@@ -112,6 +114,11 @@ def main(argv):
     except OSError as err:
       raise ValueError(explain_flag_error(err, sys.argv)) from err
     config = config_lib.from_config_dict(raw)
+    if FLAGS.print_config:
+      print(json.dumps(dataclasses.asdict(config), indent=1, default=str))
+      return
+    if not FLAGS.workdir:
+      raise ValueError("--workdir is required (a directory for metrics, checkpoints and weights)")
     if FLAGS.dry_run_rollouts and config.job != "train":
       raise ValueError(f"--dry_run_rollouts runs the train job's start policy; config.job is {config.job!r}")
     if config.job == "train" and not FLAGS.distributed and not FLAGS.dry_run_rollouts:

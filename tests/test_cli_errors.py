@@ -112,3 +112,15 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_with_its_rows_kept
   assert "stopped before its first checkpoint" in said[0]
   with open(os.path.join(moved, "metrics.jsonl")) as f:
     assert [json.loads(line) for line in f.read().splitlines()[:2]] == rows
+
+
+def test_print_config_shows_the_resolved_config_and_a_missing_workdir_is_one_line():
+  (printed, out, err), (missing, _, missing_err) = run_all([
+      [sys.executable, "-m", "copc_jax.main", "--config=configs/default.py:tis", "--print_config",
+       "--config.trainer.steps=7"],
+      [sys.executable, "-m", "copc_jax.main", "--config=configs/default.py"]])
+  assert printed == 0, err[-2000:]
+  config = json.loads(out)
+  assert config["preset"] == "tis" and config["trainer"]["steps"] == 7 and config["actor"]["behavior_weight"]
+  assert missing == 2 and missing_err.strip() == ("error: --workdir is required (a directory for metrics, "
+                                                  "checkpoints and weights)")
