@@ -280,7 +280,7 @@ WHITEN_MODES = ("none", "scale", "center")
 
 
 def whiten(advantages, mask, *, mode: str = "center", carried_ratio=None, min_std: float = 0.0):
-  """Batch normalisation of advantages (COPC.md, "Whitening"); 0 outside `mask`.
+  """Batch normalisation of advantages (the whitening rule); 0 outside `mask`.
 
       none     Â_t
       scale    Â_t / σ
@@ -314,7 +314,7 @@ GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
 
 
 def group_advantages(rewards_b, group_ids_b, *, method: str = "grpo", eps: float = 1e-6):
-  """Critic-free outcome advantages, one per sequence, from the other samples of its prompt (COPC.md).
+  """Critic-free outcome advantages, one per sequence, from the other samples of its prompt.
 
   With g the group of sequence i (the sequences whose `group_ids_b` equal its own), n = |g|:
 

@@ -12,7 +12,7 @@ tree is small enough to enumerate every trajectory, so every expectation is exac
 with a tabular softmax policy (∇_{θ[s, b]} log π(a|s) = 1[a = b] − π(b|s)). For an actor
 update g = E_μ[Σ_t w_t Â_t ∇log π(a_t|s_t)] (the preset's policy weight w_t from
 `losses.actor_loss`, its advantage Â_t from `estimators.coupled_advantages`, at θ = θ_prox,
-no whitening) and w = ρ + Δw, Â = A^π + ΔA (COPC.md):
+no whitening) and w = ρ + Δw, Â = A^π + ΔA (the COPC decomposition):
 
     g − g* = E[Δw·A^π ∇log π] + E[ρ·ΔA ∇log π] + E[Δw·ΔA ∇log π]     (policy, advantage, coupled)
     variance term  E[Σ_t w_t² Var(ΔA | s_t, a_t)]
@@ -223,7 +223,7 @@ def whitened_update(tree: TreeMDP, preset: str | presets.Preset, *, whiten: str,
   """The exact expected actor update E_μ[Σ_t w_t · whiten(Â)_t ∇log π(a_t|s_t)] at θ = θ_prox,
   flattened over (node, action), with the critic's values lowered by `critic_offset` (> 0: a critic
   below its targets, as a fresh value head) and whitening `whiten` (`estimators.whiten`, or "plain":
-  the usual (Â − m)/σ, the rule before COPC.md's correction). m and σ are the μ-expectations over
+  the usual (Â − m)/σ, the rule before the corrected one). m and σ are the μ-expectations over
   the tokens the policy channel keeps, as a batch of all trajectories would give them."""
   preset = presets.get_preset(preset) if isinstance(preset, str) else preset
   actions = all_trajectories(tree)

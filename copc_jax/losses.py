@@ -10,7 +10,7 @@ the PPO ratio q_t = π_θ/π_ref, where π_ref is π_prox or, for `policy_ratio 
                               1[lo ≤ r_t ≤ hi]       "mask"          (COPC's token mask m_t)
     ℓ_t = − b_t · min(q_t Â_t, clip(q_t, 1 − ε_low, 1 + ε_high) Â_t)
 
-Two anchors (COPC.md, "Policy channel"), knobs of every preset:
+Two anchors of the policy channel, knobs of every preset:
 
 - `mask_ratio`: the indicator 1[lo ≤ · ≤ hi] of "mask"/"masked_ratio" is taken on r_t = π_prox/μ
   ("proximal", fixed per batch) or on sg(π_θ/μ) ("current": it closes as the update moves away

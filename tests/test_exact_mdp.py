@@ -54,7 +54,7 @@ def test_unclipped_unmasked_copc_is_unbiased_for_the_importance_sampled_gradient
   assert exact_mdp.decomposition(tree, "copc")["bias_total"] > 0.01         # the defaults do cost bias
 
 
-# --- whitening (COPC.md, "Whitening"): the baseline's push along ∇KL(μ‖π) ------------------------
+# --- whitening: the baseline's push along ∇KL(μ‖π) ------------------------
 
 def _baseline_push(tree, preset, rule):
   """The component along ∇KL(μ‖π) of what subtracting the baseline adds to the expected update,
