@@ -18,7 +18,8 @@ def test_every_relative_link_and_repository_path_in_the_docs_exists():
       text = f.read()
     base = os.path.dirname(os.path.join(ROOT, doc))
     for link in LINK.findall(text):
-      if not link.startswith(("http://", "https://", "mailto:")) and not os.path.exists(os.path.join(base, link)):
+      external = link.startswith(("http://", "https://", "mailto:"))
+      if not external and not os.path.exists(os.path.join(base, link)):
         missing.append(f"{doc}: link {link}")
     for path in PATH.findall(text):
       if not glob.glob(os.path.join(ROOT, path.rstrip("."))):
