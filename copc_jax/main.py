@@ -19,12 +19,24 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from copc_jax import config as config_lib
-from copc_jax import synthetic
+from copc_jax import presets, synthetic
 from copc_jax.train import checkpoint, trainer, workdir
 from copc_jax.train.workdir import WorkdirError
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
+CONFIGS = {  # the config files and what their argument after ':' picks
+    "configs/default.py[:<preset>]": "async COPC on tool arithmetic, tiny model (the default job)",
+    "configs/search.py[:<preset>]": "synthetic knowledge search, tiny model",
+    "configs/staleness_sweep.py:<preset>,<k>": "lag mode: every batch from the weights k updates old",
+    "configs/gradient_check.py": "the synthetic off-policy gradient check of every preset",
+    "configs/qwen2_5_math.py:<1.5b|7b>[,<preset>]": "Qwen2.5 on math with a Python tool (TPU slice)",
+    "configs/qwen2_5_search.py:<3b|7b>[,<preset>]": "Qwen2.5 on search (TPU slice)",
+}
+config_flags.DEFINE_config_file(
+    "config", None, "Config file, e.g. configs/default.py:tis; any field is overridden with "
+    "--config.<section>.<field>=value (--print_config shows them all). Configs: "
+    + "; ".join(f"{name}: {what}" for name, what in CONFIGS.items())
+    + f". Presets: {', '.join(sorted(presets.PRESETS))}.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for outputs (metrics, checkpoints).")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first: one process per host "
                   "of a multi-host slice (on TPU VMs it finds the coordinator itself).")

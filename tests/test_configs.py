@@ -79,3 +79,20 @@ def test_configs_load_without_jetstream():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_help_names_every_config_file_and_every_preset():
+  import glob
+  import subprocess
+  import sys
+
+  from copc_jax import main
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  named = {name.split("[")[0].split(":")[0] for name in main.CONFIGS}
+  files = {f"configs/{os.path.basename(p)}" for p in glob.glob(os.path.join(root, "configs", "*.py"))}
+  assert named == files - {"configs/__init__.py", "configs/common.py"}
+  out = subprocess.run([sys.executable, "-m", "copc_jax.main", "--help"], capture_output=True, text=True,
+                       cwd=root, timeout=300).stdout
+  text = " ".join(out.split())
+  assert all(preset in text for preset in presets.PRESETS) and "configs/qwen2_5_math.py:<1.5b|7b>" in text
