@@ -50,10 +50,13 @@ class TaskConfig:
   reward_metric: str = "em"           # search: "em" or "f1"
   code_timeout_s: float = 5.0
   code_error_penalty: float = 0.0
+  module: str = ""                    # a task of your own: an importable module whose
+                                      # `make_task(config, seed) -> Task` builds it (then any name)
 
   def __post_init__(self):
-    if self.name not in TASKS:
-      raise ValueError(f"name must be one of {TASKS}; got {self.name!r}")
+    if self.name not in TASKS and not self.module:
+      raise ValueError(f"name must be one of {TASKS} (or give task.module, a module with make_task(config, "
+                       f"seed) for a task of your own); got {self.name!r}")
     if not 0 <= self.demo_tool_fraction <= 1:
       raise ValueError(f"demo_tool_fraction must be in [0, 1]; got {self.demo_tool_fraction}")
     if not 0 <= self.demo_chain_fraction <= 1:
@@ -208,9 +211,25 @@ def make_task(config: TaskConfig, seed: int = 0, tokenizer=None) -> Task:
   """The task; with `config.chat_template` its prompts go through `tokenizer`'s chat template."""
   builders = {"tool_arithmetic": _tool_arithmetic, "knowledge_search": _knowledge_search,
               "math": _math, "search": _search}
-  task = builders[config.name](config, seed)
+  task = _module_task(config, seed) if config.module else builders[config.name](config, seed)
   if config.chat_template:
     task.prompt = chat_prompt(task.prompt, tokenizer)
+  return task
+
+
+def _module_task(config: TaskConfig, seed: int) -> Task:
+  """`config.module`'s `make_task(config, seed)`: a task registered by its import path."""
+  import importlib
+  try:
+    module = importlib.import_module(config.module)
+  except ImportError as err:
+    raise ValueError(f"config.task.module={config.module!r} cannot be imported: {err}") from None
+  if not callable(getattr(module, "make_task", None)):
+    raise ValueError(f"config.task.module={config.module!r} has no make_task(config, seed)")
+  task = module.make_task(config, seed)
+  if not isinstance(task, Task):
+    raise ValueError(f"config.task.module={config.module!r}: make_task returned {type(task).__name__}, not a "
+                     f"copc_jax.envs.tasks.Task")
   return task
 
 

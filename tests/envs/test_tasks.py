@@ -95,3 +95,16 @@ def test_a_chat_template_without_one_in_the_tokenizer_is_one_clear_error():
   with pytest.raises(ValueError, match="chat_template=True needs a tokenizer with a chat template"):
     make_task(TaskConfig(name="tool_arithmetic", train_size=8, eval_size=4, chat_template=True),
               tokenizer=tiny.make_tokenizer())
+
+
+def test_a_task_of_ones_own_is_registered_by_its_module():
+  task = make_task(TaskConfig(name="echo", module="tests.fixtures.echo_task"), seed=3)
+  assert task.name == "echo" and task.train[0]["question"] == "Repeat w30:"
+  assert task.score("w30", task.train[0]) == (1.0, True)
+  assert task.demonstrations(task.train[:1])[0] == {"prompt": "Repeat w30:", "response": "w30"}
+  with pytest.raises(ValueError, match=r"name must be one of .* \(or give task.module"):
+    TaskConfig(name="echo")
+  with pytest.raises(ValueError, match="config.task.module='no.such.module' cannot be imported"):
+    make_task(TaskConfig(name="echo", module="no.such.module"))
+  with pytest.raises(ValueError, match="has no make_task"):
+    make_task(TaskConfig(name="echo", module="copc_jax.envs.data"))
