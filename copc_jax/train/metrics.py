@@ -1,11 +1,16 @@
-"""Per-step metrics: `metrics.jsonl` (one JSON object per step), TensorBoard, a progress bar.
+"""Per-step metrics: `metrics.jsonl` (one JSON object per step), TensorBoard, Weights & Biases (optional),
+a progress bar.
 
-    logger = MetricsLogger(workdir, total_steps=100, start_step=restored_step)
+    logger = MetricsLogger(workdir, total_steps=100, start_step=restored_step,
+                           trackers=("tensorboard", "wandb"), run_config=config_dict)
     logger.write({"step": 1, "reward_mean": 0.4, ...})
     logger.close()
 
 On resume, rows past the restored step (written after the last checkpoint by the
-killed run) are dropped, so every step appears once, from the run that counts.
+killed run) are dropped from `metrics.jsonl`, so every step appears once there, from the run that
+counts. The W&B run keeps one id per workdir (`DIR/wandb_run_id`) and resumes it; W&B refuses steps it
+has already seen, so for the steps a killed run logged after its last checkpoint it keeps the killed
+run's values (`metrics.jsonl` is the record). `WANDB_MODE=offline` writes the run under `DIR/wandb`.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 
 import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
 
+TRACKERS = ("tensorboard", "wandb")
 REQUIRED_KEYS = ("step", "reward_mean", "response_len_mean", "staleness_mean", "staleness_max",
                  "mask_fraction", "clip_fraction", "ess", "value_loss", "grad_norm", "step_time_s",
                  "rollout_wait_s", "train_s", "weight_sync_s")
@@ -51,15 +58,45 @@ def _plain(value):
   return value
 
 
+class WandbWriter:
+  """One W&B run per workdir (its id kept in `DIR/wandb_run_id`), resumed by a resumed run."""
+
+  def __init__(self, workdir: str, project: str, run_config: dict | None):
+    try:
+      import wandb
+    except ImportError:
+      raise ValueError("trainer.trackers has 'wandb' but wandb is not installed: pip install "
+                       "'copc_jax[wandb]' (or drop it from trainer.trackers)") from None
+    id_path = os.path.join(workdir, "wandb_run_id")
+    if os.path.exists(id_path):
+      with open(id_path) as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(8)          # W&B run ids: letters and digits
+      with open(id_path, "w") as f:
+        f.write(run_id)
+    self._run = wandb.init(project=project, dir=workdir, id=run_id, resume="allow", config=run_config,
+                           name=os.path.basename(os.path.abspath(workdir)))
+
+  def write(self, row: dict) -> None:
+    self._run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+
+  def close(self) -> None:
+    self._run.finish()
+
+
 class MetricsLogger:
-  def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, progress: bool = True):
+  def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, progress: bool = True,
+               trackers: tuple[str, ...] = ("tensorboard",), wandb_project: str = "copc_jax",
+               run_config: dict | None = None):
     self.path = os.path.join(workdir, "metrics.jsonl")
     kept = [row for row in read_metrics(workdir) if row.get("step", 0) <= start_step]
     with open(self.path + ".tmp", "w") as f:
       f.writelines(json.dumps(row) + "\n" for row in kept)
     os.replace(self.path + ".tmp", self.path)
     self._file = open(self.path, "a")
-    self._tensorboard = SummaryWriter(os.path.join(workdir, "tb"))
+    self._tensorboard = SummaryWriter(os.path.join(workdir, "tb")) if "tensorboard" in trackers else None
+    self._wandb = WandbWriter(workdir, wandb_project, run_config) if "wandb" in trackers else None
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                           file=sys.stderr, dynamic_ncols=True, disable=not progress)
 
@@ -69,8 +106,10 @@ class MetricsLogger:
     self._file.flush()
     step = row["step"]
     for key, value in row.items():
-      if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+      if self._tensorboard and key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
         self._tensorboard.add_scalar(key, value, step)
+    if self._wandb:
+      self._wandb.write(row)
     postfix = {"reward": f"{row.get('reward_mean', 0):.3f}", "stale": f"{row.get('staleness_mean', 0):.2f}"}
     if row.get("eval_accuracy") is not None:
       postfix["eval"] = f"{row['eval_accuracy']:.3f}"
@@ -84,5 +123,8 @@ class MetricsLogger:
 
   def close(self) -> None:
     self._bar.close()
-    self._tensorboard.close()
+    if self._tensorboard:
+      self._tensorboard.close()
+    if self._wandb:
+      self._wandb.close()
     self._file.close()

@@ -54,7 +54,7 @@ from copc_jax.train import workdir as workdir_lib
 from copc_jax.train.batch import padded_length
 from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
-from copc_jax.train.metrics import MetricsLogger, read_metrics, update_rows
+from copc_jax.train.metrics import TRACKERS, MetricsLogger, read_metrics, update_rows
 from copc_jax.train.timing import PhaseTimer
 from copc_jax.train.weights import WeightStore
 
@@ -152,10 +152,15 @@ class TrainerConfig:
   optimizer: str = "adamw"                            # any optax optimizer, by name ...
   optimizer_options: tuple[tuple[str, Any], ...] = ()  # ... and its other arguments: (("b2", 0.95),)
   progress_bar: bool = True
+  trackers: tuple[str, ...] = ("tensorboard",)   # besides metrics.jsonl: "tensorboard", "wandb"
+  wandb_project: str = "copc_jax"
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
+    unknown = [t for t in self.trackers if t not in TRACKERS]
+    if unknown:
+      raise ValueError(f"trackers must be among {TRACKERS}; got {tuple(self.trackers)}")
     for name in ("steps", "batch_size", "sync_every", "checkpoint_every", "epochs", "num_minibatches",
                  "group_size", "forward_microbatches", "gradient_accumulation"):
       if getattr(self, name) < 1:
@@ -357,7 +362,10 @@ class Trainer:
         self._check_servers(backend)
         if multihost.is_chief():
           logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=self.step,
-                                 progress=self.cfg.progress_bar)
+                                 progress=self.cfg.progress_bar, trackers=self.cfg.trackers,
+                                 wandb_project=self.cfg.wandb_project,
+                                 run_config=json.loads(json.dumps(dataclasses.asdict(self.config),
+                                                                  default=str)))
         runner = rollouts.EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
                                         seed=(self.config.seed, jax.process_index()))
         weights = WeightStore(os.path.join(self.workdir, "weights"), backend,

@@ -289,3 +289,30 @@ def test_phase_times_are_exclusive_and_add_up(monkeypatch):
     pass
   assert timer.lap() == {"weight_sync_s": 2.0, "rollout_wait_s": 8.0, "train_s": 0.5}
   assert timer.lap() == {}
+
+
+def test_metrics_go_to_weights_and_biases_offline_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+  """`trainer.trackers` with "wandb": one W&B run per workdir, offline here, resumed under the same id;
+  metrics.jsonl stays the record."""
+  pytest.importorskip("wandb")
+  from copc_jax.train.metrics import MetricsLogger, read_metrics
+
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  for start, steps in ((0, (1, 2)), (2, (3,))):
+    logger = MetricsLogger(str(tmp_path), total_steps=3, start_step=start, progress=False,
+                           trackers=("wandb",), run_config={"preset": "copc"})
+    for step in steps:
+      logger.write({"step": step, "reward_mean": 0.25 * step})
+    logger.close()
+  run_id = (tmp_path / "wandb_run_id").read_text()
+  runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+  assert runs and not (tmp_path / "tb").exists()
+  logged = b"".join(p.read_bytes() for run in runs for p in run.glob("run-*.wandb"))
+  assert b"reward_mean" in logged and b"0.75" in logged                 # the resumed run's row
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
+
+
+def test_an_unknown_tracker_is_refused():
+  with pytest.raises(ValueError, match="trackers must be among"):
+    trainer.TrainerConfig(trackers=("mlflow",))
