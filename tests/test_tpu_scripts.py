@@ -15,7 +15,7 @@ SHELLCHECK = shutil.which("shellcheck", path=os.path.dirname(sys.executable)) or
 
 def dry_run(name, **env):
   result = subprocess.run(["bash", os.path.join("tpu_scripts", name), "--dry-run"], cwd=ROOT, text=True,
-                          capture_output=True, env={**os.environ, "PATH": "/usr/bin:/bin", **env}, timeout=30)
+                          capture_output=True, env={**os.environ, "PATH": "/usr/bin:/bin", **env}, timeout=300)
   assert result.returncode == 0, result.stderr
   return result.stdout.replace("\\", "")    # the detached commands are printf %q-quoted: read them plain
 
@@ -47,7 +47,7 @@ def test_create_requests_queued_resources_per_role_and_waits_and_delete_removes_
   assert "gcloud alpha compute tpus queued-resources create" in out and "--best-effort" in out
   assert "--reserved" in dry_run("create_tpu_vms.sh", NUM_SERVERS="1", TIER="reserved")
   result = subprocess.run(["bash", "tpu_scripts/create_tpu_vms.sh", "--dry-run"], cwd=ROOT, text=True,
-                          capture_output=True, timeout=30, env={**os.environ, "SERVER_TYPE": "v9-8"})
+                          capture_output=True, timeout=300, env={**os.environ, "SERVER_TYPE": "v9-8"})
   assert result.returncode == 1 and "no TPU software version known for accelerator type 'v9-8'" in result.stderr
   deletes = dry_run("delete_tpu_vms.sh", NUM_SERVERS="3").count("queued-resources delete")
   assert deletes == 4
@@ -56,13 +56,13 @@ def test_create_requests_queued_resources_per_role_and_waits_and_delete_removes_
 def test_a_zone_that_does_not_offer_the_type_is_refused_in_one_line_before_anything_runs():
   env = {**os.environ, "SERVER_ZONE": "us-east5-a"}           # offers v5p and v6e, not v5e
   result = subprocess.run(["bash", "tpu_scripts/create_tpu_vms.sh", "--dry-run"], cwd=ROOT, text=True,
-                          capture_output=True, timeout=30, env=env)
+                          capture_output=True, timeout=300, env=env)
   assert result.returncode == 2 and result.stdout == ""
   assert result.stderr.strip() == ("SERVER_ZONE=us-east5-a does not offer v5litepod-8 (SERVER_TYPE); zones "
                                    "that do: us-central1-a us-south1-a us-west1-c us-west4-a "
                                    "(SKIP_ZONE_CHECK=1 to try anyway)")
   result = subprocess.run(["bash", "tpu_scripts/create_tpu_vms.sh", "--dry-run"], cwd=ROOT, text=True,
-                          capture_output=True, timeout=30, env={**os.environ, "TIER": "cheap"})
+                          capture_output=True, timeout=300, env={**os.environ, "TIER": "cheap"})
   assert result.returncode == 2
   assert "TIER=cheap: allowed: on-demand, spot, reserved, best-effort" in result.stderr
 
@@ -143,11 +143,11 @@ def test_the_servers_and_the_learner_share_a_token(tmp_path):
 @pytest.mark.parametrize("name", ["create_tpu_vms.sh", "start_learner.sh"])
 def test_bad_invocations_say_what_is_wrong(name):
   result = subprocess.run(["bash", os.path.join("tpu_scripts", name), "--bogus"], cwd=ROOT, text=True,
-                          capture_output=True, timeout=30)
+                          capture_output=True, timeout=300)
   assert result.returncode == 2 and "unknown argument: --bogus" in result.stderr
   if name == "start_learner.sh":
     result = subprocess.run(["bash", "tpu_scripts/start_learner.sh", "--dry-run"], cwd=ROOT, text=True,
-                            capture_output=True, timeout=30, env={**os.environ, "ADDRESSES": ""})
+                            capture_output=True, timeout=300, env={**os.environ, "ADDRESSES": ""})
     assert result.returncode == 2 and "ADDRESSES is empty" in result.stderr
 
 
