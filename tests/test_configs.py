@@ -47,7 +47,7 @@ def test_real_model_configs_use_a_tpu_mesh_and_remote_data():
     ("task", "name", "chess", r"config.task.name must be one of .*got 'chess'"),
     ("task", "demo_tool_fraction", 1.5, r"config.task.demo_tool_fraction must be in \[0, 1\]; got 1.5"),
     ("warm_start", "learning_rate", -1.0, r"config.warm_start.learning_rate must be > 0; got -1.0"),
-    ("model", "tiny_arch", "gpt", r"config.model.tiny_arch must be 'qwen2' or 'llama'; got 'gpt'"),
+    ("model", "tiny_arch", "gpt", r"config.model.tiny_arch must be 'qwen2', 'qwen3' or 'llama'; got 'gpt'"),
     ("trainer", "speed", 2, r"config.trainer: unknown field\(s\) \['speed'\]"),
 ])
 def test_bad_trainer_values_name_the_field(section, field, value, message):

@@ -131,8 +131,10 @@ def test_a_remote_pool_that_dies_saves_and_says_so(tmp_path, monkeypatch):
 
 
 def test_the_main_command_names_missing_data(tmp_path):
+  # the config's model is not on this machine either: a tiny one (so the data is what is missing)
   result = subprocess.run([sys.executable, "-m", "copc_jax.main", "--config=configs/qwen2_5_math.py:1.5b",
-                           f"--workdir={tmp_path}", f"--config.task.train_path={tmp_path}/train.parquet"],
+                           f"--workdir={tmp_path}", f"--config.task.train_path={tmp_path}/train.parquet",
+                           "--config.model.checkpoint=tiny", "--config.task.chat_template=False"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode != 0
