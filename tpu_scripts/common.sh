@@ -119,6 +119,13 @@ on_tpu() {
     --worker="$worker" --command="$command"
 }
 
+# A remote command that waits (READY_TIMEOUT_S, default 1800) until a server has written its ready file.
+ready_wait() {
+  local ready="$1" log="$2"
+  echo "for i in \$(seq 1 $((${READY_TIMEOUT_S:-1800} / 10))); do test -s $ready && exit 0; sleep 10; done;" \
+    "echo 'not ready: see $log'; tail -n 20 $log; exit 1"
+}
+
 # A command that runs on after the ssh session ends (a dropped connection must not stop a run).
 detached() {
   local log="$1" command="$2"

@@ -33,6 +33,5 @@ learner_command="cd $REMOTE_DIR && $(chips "$LEARNER_CHIPS" 8477) exec .venv/bin
 --config=$CONFIG --workdir=$WORKDIR --config.rollout.addresses=\"('127.0.0.1:$SERVER_PORT',)\""
 LEARNER_TPU="$SINGLE_TPU"       # zone_of: this VM is in LEARNER_ZONE
 on_tpu "$SINGLE_TPU" 0 "$(detached "$REMOTE_DIR/server.log" "$server_command")"
-on_tpu "$SINGLE_TPU" 0 "for i in \$(seq 1 $((${READY_TIMEOUT_S:-1800} / 10))); do test -s $REMOTE_DIR/server.ready \
-&& exit 0; sleep 10; done; tail -n 20 $REMOTE_DIR/server.log; exit 1"
+on_tpu "$SINGLE_TPU" 0 "$(ready_wait "$REMOTE_DIR/server.ready" "$REMOTE_DIR/server.log")"
 on_tpu "$SINGLE_TPU" 0 "$(detached "$REMOTE_DIR/learner.log" "$learner_command")"

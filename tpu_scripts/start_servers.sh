@@ -42,9 +42,7 @@ for i in $(seq 0 $((NUM_SERVERS - 1))); do
   on_tpu "$name" 0 "$(detached "$REMOTE_DIR/server.log" "$server_command")"
   addresses+=("$(internal_ip "$name"):$SERVER_PORT")
 done
-ready_wait="for i in \$(seq 1 $((${READY_TIMEOUT_S:-1800} / 10))); do test -s $REMOTE_DIR/server.ready && exit 0; \
-sleep 10; done; echo 'not ready: see $REMOTE_DIR/server.log'; tail -n 20 $REMOTE_DIR/server.log; exit 1"
 for i in $(seq 0 $((NUM_SERVERS - 1))); do
-  on_tpu "$(server_name "$i")" 0 "$ready_wait"
+  on_tpu "$(server_name "$i")" 0 "$(ready_wait "$REMOTE_DIR/server.ready" "$REMOTE_DIR/server.log")"
 done
 echo "ADDRESSES=$(IFS=,; echo "${addresses[*]}")"

@@ -664,17 +664,22 @@ def train_and_evaluate(config, workdir: str, *, backend_factory=None, fresh_star
   """
   workdir = os.path.abspath(workdir)
   with workdir_lib.claim(workdir, fresh_start=fresh_start, process_index=jax.process_index(), log=_say):
-    base = base_checkpoint(config, workdir)
-    tokenizer = (hf_io.load_tokenizer(tokenizer_dir(config, base), needed_for="config.task.chat_template")
-                 if config.task.chat_template else None)
-    task = make_task(config.task, config.seed, tokenizer)
-    actor_checkpoint = None
-    if config.warm_start.steps:
-      actor_checkpoint = warm_start.prepare(task, base, os.path.join(workdir, "warm_start"), config.warm_start,
-                                            seed=config.seed, log=_say,
-                                            tokenizer_dir=tokenizer_dir(config, base))
+    task, actor_checkpoint = start_policy(config, workdir)
     return Trainer(config, workdir, actor_checkpoint=actor_checkpoint, task=task,
                    backend_factory=backend_factory).run()
+
+
+def start_policy(config, workdir: str):
+  """(task, actor checkpoint) as RL starts: the task (through the chat template when the config asks),
+  and the warm start's result cached in DIR/warm_start (None without a warm start: the base model)."""
+  base = base_checkpoint(config, workdir)
+  tokenizer = (hf_io.load_tokenizer(tokenizer_dir(config, base), needed_for="config.task.chat_template")
+               if config.task.chat_template else None)
+  task = make_task(config.task, config.seed, tokenizer)
+  if not config.warm_start.steps:
+    return task, None
+  return task, warm_start.prepare(task, base, os.path.join(workdir, "warm_start"), config.warm_start,
+                                  seed=config.seed, log=_say, tokenizer_dir=tokenizer_dir(config, base))
 
 
 def dry_run_rollouts(config, workdir: str, count: int) -> dict:
@@ -684,12 +689,7 @@ def dry_run_rollouts(config, workdir: str, count: int) -> dict:
   share of episodes that called the tool, turns and finish reasons. The servers and weights of the
   dry run live in DIR/dry_run; nothing is trained and no training history is written."""
   workdir = os.path.abspath(workdir)
-  base = base_checkpoint(config, workdir)
-  tokenizer = hf_io.load_tokenizer(tokenizer_dir(config, base), needed_for="the dry run")
-  task = make_task(config.task, config.seed, tokenizer)
-  actor_checkpoint = (warm_start.prepare(task, base, os.path.join(workdir, "warm_start"), config.warm_start,
-                                         seed=config.seed, log=_say, tokenizer_dir=tokenizer_dir(config, base))
-                      if config.warm_start.steps else None)
+  task, actor_checkpoint = start_policy(config, workdir)
   trainer = Trainer(config, os.path.join(workdir, "dry_run"), actor_checkpoint=actor_checkpoint, task=task)
   episodes = trainer.sample_start_policy(count)
   tool_output_opening = task.tool_output[0]      # in the response only where the tool answered a call
@@ -703,7 +703,7 @@ def dry_run_rollouts(config, workdir: str, count: int) -> dict:
     print(f"--- episode {i}: reward {episode.trajectory.reward:.3f}, correct {episode.correct}, "
           f"turns {episode.trajectory.num_turns}, {episode.trajectory.finish_reason}\n{response}", flush=True)
   n = max(len(rows), 1)
-  summary = {"episodes": len(rows), "start_policy": actor_checkpoint or base,
+  summary = {"episodes": len(rows), "start_policy": actor_checkpoint or base_checkpoint(config, workdir),
              "mean_reward": sum(r["reward"] for r in rows) / n, "accuracy": sum(r["correct"] for r in rows) / n,
              "tool_call_rate": sum(r["called_tool"] for r in rows) / n,
              "mean_turns": sum(r["turns"] for r in rows) / n,
