@@ -113,7 +113,7 @@ class Ours:
             "rollout_tokens_per_s": float(np.median([m["rollout_tokens"] / m["rollout_s"] for m in measured]))}
 
   def peak_gib(self) -> dict:
-    server = max(s["memory"]["peak_resident_bytes"] for s in self.pool.status()) / 2**30
+    server = max(s.report["memory"]["peak_resident_bytes"] for s in self.pool.status()) / 2**30
     return {"learner_process": tunix_ppo.peak_rss_gib(), "server": server}
 
   def close(self) -> None:

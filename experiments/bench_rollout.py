@@ -1,4 +1,4 @@
-"""Decode throughput through JetStream servers vs on-device generation of the same model.
+"""Decode throughput: JetStream servers and the in-process backend vs on-device generation of one model.
 
   python experiments/bench_rollout.py                 # small model, 4 slots, 64 new tokens
   python experiments/bench_rollout.py --servers 1 2 4
@@ -8,8 +8,10 @@
 Measured in the same run: (0) the reference: the whole batch generated in one jitted
 call, prefill and a `lax.fori_loop` of sample + decode steps on the device (the
 fastest way JAX generates on one host); (1) a Python loop of the same jitted step
-(no JetStream, no gRPC); (2) N servers with `slots` requests in flight per server
-through the RL service. Tokens/s count tokens actually returned (a generation may
+(no JetStream, no gRPC); (2) the in-process backend (`rollout/in_process.py`: the servers' engine
+driven in this process, `steps_per_call` decode steps per jitted `while_loop`) with `slots`
+concurrent requests; (3) N servers with `slots` requests in flight per server through the RL
+service. Tokens/s count tokens actually returned (a generation may
 end early on EOS); ratios are against the on-device reference.
 """
 
@@ -27,6 +29,7 @@ from flax import nnx
 from copc_jax import sampling
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder, KVCache
+from copc_jax.rollout.in_process import InProcessBackend
 from copc_jax.rollout.pool import RolloutPool
 
 
@@ -98,6 +101,30 @@ def on_device_tokens_per_s(model: Decoder, slots: int, prompt_len: int, new_toke
   return best
 
 
+def in_process_tokens_per_s(model: Decoder, slots: int, prompt_len: int, new_tokens: int, max_length: int,
+                            rounds: int, steps_per_call: int) -> float:
+  """`slots` concurrent requests (one thread each, as the episode workers call it) on the in-process
+  backend; the best round after a warm-up."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  rng = np.random.default_rng(1)
+  backend = InProcessBackend(model, slots=slots, max_prefill_length=32, max_length=max_length,
+                             steps_per_call=steps_per_call)
+  best = 0.0
+  try:
+    with ThreadPoolExecutor(slots) as executor:
+      for r in range(rounds + 1):
+        requests = [dict(token_ids=rng.integers(3, model.config.vocab_size, size=prompt_len).tolist(),
+                         max_tokens=new_tokens) for _ in range(slots)]
+        start = time.perf_counter()
+        outs = list(executor.map(lambda q: backend.generate(**q), requests))
+        if r:
+          best = max(best, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+  finally:
+    backend.close()
+  return best
+
+
 def served_tokens_per_s(pool: RolloutPool, concurrent: int, prompt_len: int, new_tokens: int,
                         vocab: int, rounds: int) -> float:
   rng = np.random.default_rng(1)
@@ -140,7 +167,7 @@ def served_round_costs(pool: RolloutPool, concurrent: int, prompt_len: int, new_
   make = lambda: [dict(token_ids=rng.integers(3, vocab, size=prompt_len).tolist(), max_tokens=new_tokens)
                   for _ in range(concurrent)]
   pool.generate_many(make(), max_workers=concurrent)                 # warm
-  calls = lambda: sum(s["engine_calls"]["generate"] * s["decode_steps"] for s in pool.status())
+  calls = lambda: sum(s.report["engine_calls"]["generate"] * s.report["decode_steps"] for s in pool.status())
   cpu = lambda: [thread_cpu_s(pid) for pid in pids]
   steps0, cpu0, client0, start, tokens = calls(), cpu(), time.process_time(), time.perf_counter(), 0
   for _ in range(rounds):
@@ -191,11 +218,21 @@ def render(results_path: str = RESULTS, readme: str = README) -> str:
     else:
       name = {"on-device reference": "on-device reference: prefill + `lax.fori_loop` of sample + decode, "
               "one jitted call", "Python loop of the jitted step": "Python loop of the same jitted step (no "
-              "JetStream, no gRPC)"}[row["path"]]
+              "JetStream, no gRPC)"}.get(row["path"]) or (
+                  f"in-process backend, {row.get('steps_per_call')} decode steps per device call, "
+                  f"{r['slots']} concurrent requests")
       peaks = "–"
     lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {row['vs_reference']:.2f}× | {peaks} |")
   b, ratios = r["breakdown"], [x["vs_reference"] for x in r["rows"] if x["path"] == "gRPC"]
-  lines += ["", f"Served: {min(ratios):.2f}–{max(ratios):.2f}× the reference. On the first served pool: one "
+  in_process = [x for x in r["rows"] if x["path"] == "in-process backend"]
+  lines += ["", f"Served: {min(ratios):.2f}–{max(ratios):.2f}× the reference"]
+  if in_process:
+    best = max(x["tokens_per_s"] for x in in_process)
+    served = [x["tokens_per_s"] / best for x in r["rows"] if x["path"] == "gRPC"]
+    lines[-1] += (f"; the in-process backend {max(x['vs_reference'] for x in in_process):.2f}×, and the served "
+                  f"paths {min(served):.2f}–{max(served):.2f}× the best in-process row")
+  lines[-1] += "."
+  lines += [f"On the first served pool: one "
             f"request for one token costs {b['request_fixed_ms']:.1f} ms, each further token of a lone "
             f"request {b['served_step_ms']:.2f} ms, against {b['reference_step_ms']:.2f} ms per 8-slot step "
             f"of the reference (prefill included)."]
@@ -223,7 +260,9 @@ def main():
   parser.add_argument("--reference-rounds", type=int, default=20,
                       help="rounds of the in-process loops (30 ms each here; their best is the reference)")
   parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
-  parser.add_argument("--decode-steps", type=int, nargs="+", default=[1, 4],
+  parser.add_argument("--in-process-steps", type=int, nargs="+", default=[16],
+                      help="decode steps per device call of the in-process backend")
+  parser.add_argument("--decode-steps", type=int, nargs="+", default=[1, 4, 16],
                       help="tokens per slot per engine call on the servers")
   parser.add_argument("--concurrent", type=int, nargs="*", default=[],
                       help="also: this many concurrent requests on the largest number of servers")
@@ -251,6 +290,12 @@ def main():
     print(f"Python loop of the jitted step:   {bare:8.1f} tokens/s   ({bare / reference:.2f}× reference)")
     rows += [{"path": "on-device reference", "tokens_per_s": reference},
              {"path": "Python loop of the jitted step", "tokens_per_s": bare}]
+    for steps in args.in_process_steps:
+      rate = in_process_tokens_per_s(model, args.slots, args.prompt, args.new_tokens, max_length,
+                                     args.reference_rounds, steps)
+      print(f"in-process backend, {steps} steps/call: {rate:8.1f} tokens/s   "
+            f"({rate / reference:.2f}× reference)")
+      rows.append({"path": "in-process backend", "steps_per_call": steps, "tokens_per_s": rate})
     cases = [(steps, n, n * args.slots) for steps in args.decode_steps for n in args.servers]
     cases += [(args.decode_steps[0], max(args.servers), c) for c in args.concurrent]
     for steps, n, concurrent in cases:
@@ -258,7 +303,7 @@ def main():
                        max_prefill_length=32, max_length=max_length, decode_steps=steps) as pool:
         rate = served_tokens_per_s(pool, concurrent, args.prompt, args.new_tokens, model.config.vocab_size,
                                    args.rounds)
-        peaks = [s["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
+        peaks = [s.report["memory"]["peak_resident_bytes"] / 2**30 for s in pool.status()]
         if (steps, n, concurrent) == cases[0]:        # where a served batch's time goes, on this pool
           breakdown = cost_breakdown(pool, args, model.config.vocab_size, reference)
           breakdown["round"] = served_round_costs(pool, concurrent, args.prompt, args.new_tokens,

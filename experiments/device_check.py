@@ -68,7 +68,8 @@ def learner_step(platform: str) -> dict:
 
 
 def server_decode(platform: str, directory: str) -> dict:
-  from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+  from copc_jax.rollout.engine import SamplingOptions
+  from copc_jax.rollout.jetstream_adapter import CopcEngine, SampledPrompt
   from copc_jax.sampling import sampling_logprobs
 
   path = os.path.join(directory, "tiny")
@@ -82,8 +83,8 @@ def server_decode(platform: str, directory: str) -> dict:
   for slot, prompt in enumerate(prompts):
     padded = np.zeros(16, np.int32)
     padded[:len(prompt)] = prompt
-    engine.pending_sampling.options = SamplingOptions(seed=slot)
-    prefix = engine.prefill(params=store, padded_tokens=padded, true_length=len(prompt))
+    options = SamplingOptions(seed=slot)
+    prefix = engine.prefill(params=store, padded_tokens=SampledPrompt(padded, options), true_length=len(prompt))
     state = engine.insert(prefix, state, slot)
   state, result = engine.generate(store, state)          # compiles
   jax.block_until_ready(result.data)

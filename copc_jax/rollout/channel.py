@@ -14,10 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from copc_jax.rollout import jetstream_compat
-
-jetstream_compat.install()
-from jetstream.core.utils import async_multifuture  # noqa: E402
+from copc_jax.rollout.jetstream_adapter import async_multifuture
 
 
 class BatchingChannel(async_multifuture.AsyncMultifuture):

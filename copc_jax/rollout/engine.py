@@ -1,20 +1,18 @@
-"""A JetStream 0.2.2 `Engine` for the copc_jax decoder, with versioned weights.
+"""The serving engine's state and jitted bodies, in pure JAX: what JetStream (`jetstream_adapter.py`)
+and the in-process backend (`in_process.py`) both run.
 
-Continuous batching over `max_concurrent_decodes` slots. Each slot keeps its
-own KV cache row (slot index == token position), its next-token logits, the
-weights version that computed them, and the request's sampling options. One
-`generate` step samples a token per slot from the stored logits (see
-`sampling.py` for the distribution and its log-probability), then runs the model
-on it to get the next logits. The result packs, per slot, the columns
-token | valid | length | log-probability (float32 bits) | version into the one
-int32 array JetStream copies to the host.
+Continuous batching over `slots`. Each slot keeps its own KV cache row (slot index == token
+position), its next-token logits, the weights version that computed them, and the request's
+sampling options. One decode step (`decode_step`) samples a token per slot from the stored logits
+(see `sampling.py` for the distribution and its log-probability), then runs the model on it to get
+the next logits. `DecodeEngine.generate_step` packs, per slot and step, the columns
+token | valid | length | log-probability (float32 bits) | version into one int32 array for the host.
 
-Weights live in a `ParamStore`: `prefill`/`generate` read (weights, version)
-from it at every call and pass the weights to jitted functions as arguments, so
-swapping weights of the same shapes and shardings neither restarts nor recompiles.
-A swap during a generation takes effect at the next step: tokens record the
-version whose logits they were sampled from, and the KV cache keeps what earlier
-versions wrote (in-flight update).
+Weights live in a `ParamStore`: every call reads (weights, version) from it and passes the weights to
+jitted functions as arguments, so swapping weights of the same shapes and shardings neither restarts
+nor recompiles. A swap during a generation takes effect at the next step: tokens record the version
+whose logits they were sampled from, and the KV cache keeps what earlier versions wrote (in-flight
+update).
 """
 
 from __future__ import annotations
@@ -31,12 +29,22 @@ from flax import nnx, struct
 from copc_jax import sampling, sharding
 from copc_jax.models import hf_io
 from copc_jax.models.decoder import Decoder, KVCache
-from copc_jax.rollout import jetstream_compat
-
-engine_api, _, token_utils, _, _ = jetstream_compat.install()
-from jetstream.engine import tokenizer_api, tokenizer_pb2  # noqa: E402
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# The int32 columns of one decode step in `generate_step`'s output, per slot.
+TOKEN_COLUMN, VALID_COLUMN, LENGTH_COLUMN = 0, 1, 2
+LOGPROB_COLUMN = 3   # float32 log-probability, bit-cast to int32
+VERSION_COLUMN = 4   # weights version that produced the token
+COLUMNS = 5
+
+
+def prefill_bucket(length: int, max_prefill_length: int) -> int:
+  """The padded length of a `length`-token prompt: the smallest bucket that holds it (JetStream's
+  `take_nearest_length` over `PREFILL_BUCKETS` up to `max_prefill_length`)."""
+  for bucket in (*[b for b in PREFILL_BUCKETS if b < max_prefill_length], max_prefill_length):
+    if length <= bucket:
+      return bucket
+  raise ValueError(f"a prompt of {length} tokens exceeds max_prefill_length {max_prefill_length}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,64 +138,6 @@ class DecodeState:
   key_data: jax.Array         # [S, 2] uint32: each slot's request key; token i uses fold_in(key, i)
 
 
-class SlotStops:
-  """Stop sequences of the request in each slot, and the tokens it generated so far.
-
-  Written by the generate thread at insert, read by the detokenize thread, which
-  only sees a slot's results after its insert (JetStream orders both on one queue).
-  """
-
-  def __init__(self, slots: int):
-    self.sequences = [()] * slots
-    self.history: list[list[int]] = [[] for _ in range(slots)]
-
-  def start(self, slot: int, sequences) -> None:
-    self.sequences[slot], self.history[slot] = tuple(sequences), []
-
-  def push(self, slot: int, token: int) -> bool:
-    """Record a token; True if it completes one of the slot's stop sequences."""
-    history = self.history[slot]
-    history.append(token)
-    return any(len(s) <= len(history) and tuple(history[-len(s):]) == s for s in self.sequences[slot])
-
-
-class IdTokenizer(tokenizer_api.Tokenizer):
-  """JetStream tokenizer over a Hugging Face tokenizer; the stop token is EOS only."""
-
-  def __init__(self, hf_tokenizer, eos_id: int, pad_id: int, bos_id: int, slot_stops: SlotStops):
-    self._hf, self._eos, self._pad, self._bos = hf_tokenizer, eos_id, pad_id, bos_id
-    self.slot_stops = slot_stops
-
-  def encode(self, s, **kwargs):
-    ids = np.asarray(self._hf(s)["input_ids"] if self._hf is not None else [], np.int32)
-    return token_utils.pad_tokens(ids, self._bos, self._pad, is_bos=kwargs.get("is_bos", True),
-                                  max_prefill_length=kwargs.get("max_prefill_length"),
-                                  jax_padding=kwargs.get("jax_padding", True))
-
-  def token_count(self, text: str) -> int:
-    """Tokens of `text` without BOS (0 without a tokenizer)."""
-    return len(self._hf(text)["input_ids"]) if self._hf is not None else 0
-
-  def decode(self, token_ids, **kwargs):
-    return self._hf.decode(list(token_ids)) if self._hf is not None else ""
-
-  @property
-  def pad_id(self):
-    return self._pad
-
-  @property
-  def eos_id(self):
-    return self._eos
-
-  @property
-  def bos_id(self):
-    return self._bos
-
-  @property
-  def stop_tokens(self):
-    return {self._eos}
-
-
 # Serving is tensor-parallel: the model dimensions go over the `tensor` axis, nothing over fsdp (every
 # decode step needs all of each layer), and the KV cache splits with the KV heads. With a `data` axis
 # the slots split too: each data group decodes its own slots with a whole copy of the (tensor-split)
@@ -225,45 +175,71 @@ def slot_axis(mesh, slots: int):
   return "data" if data > 1 and slots % data == 0 else None
 
 
-class CopcEngine(engine_api.Engine):
-  def __init__(self, model: Decoder, *, max_concurrent_decodes: int = 4, max_prefill_length: int = 64,
-               max_length: int = 256, tokenizer=None, seed: int = 0, version: int = 0, mesh=None,
-               decode_steps: int = 1):
-    """`mesh`: the devices to serve on (`serving_mesh`; default: the first device alone). Weights are
-    placed by `SERVING_RULES` and keep their placement across weight swaps. `decode_steps`: tokens
-    each `generate` call decodes per slot (a `lax.scan` on the device), so JetStream's loop and the
-    host pay their per-call cost once per that many tokens; a slot that finishes inside a call has its
-    extra tokens dropped by the result processing, and a new request waits at most that many steps
-    to be inserted. Tokens do not depend on it (a token's key is the request's key and its index)."""
+@struct.dataclass
+class StepOutput:
+  """One decode step, per slot: the token sampled, its log-probability and the weights version of
+  the logits it was sampled from."""
+
+  tokens: jax.Array           # [S] int32
+  logprobs: jax.Array         # [S] float32
+  versions: jax.Array         # [S] int32
+
+
+def decode_step(model: Decoder, state: DecodeState, version, max_length: int) -> tuple[DecodeState, StepOutput]:
+  """Sample a token per slot from its stored logits with key fold_in(slot key, tokens generated), run the
+  model on it, and store the next logits (computed by weights `version`)."""
+  keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.key_data), state.generated)
+  tokens, logprobs = sampling.sample(keys, state.logits, state.temperature, state.top_p, state.top_k)
+  # Free slots keep stepping on garbage; keep their writes inside the cache.
+  rows = jnp.minimum(state.lengths, max_length - 1)
+  logits, cache = model.decode_rows(tokens, rows, state.cache)
+  out = StepOutput(tokens.astype(jnp.int32), logprobs.astype(jnp.float32), state.logits_version)
+  return state.replace(cache=cache, lengths=state.lengths + 1, generated=state.generated + 1, logits=logits,
+                       logits_version=jnp.full_like(state.logits_version, version)), out
+
+
+class DecodeEngine:
+  """The served model: weights in a `ParamStore`, a decode state over `slots`, and three jitted
+  bodies — `prefill` (one prompt → its KV cache and last logits), `insert` (a prefix into a slot),
+  `generate_step` (`decode_steps` decode steps of every slot, packed as `COLUMNS` int32 columns).
+
+  `mesh`: the devices to serve on (`serving_mesh`; default: the first device alone). Weights are
+  placed by `SERVING_RULES` (`place_weights=False`: kept where they are, e.g. the learner's own
+  placement) and keep their placement across weight swaps. Tokens do not depend on `decode_steps`
+  (a token's key is the request's key and its index)."""
+
+  def __init__(self, model: Decoder, *, slots: int = 4, max_prefill_length: int = 64, max_length: int = 256,
+               seed: int = 0, version: int = 0, mesh=None, decode_steps: int = 1, place_weights: bool = True):
     if decode_steps < 1:
       raise ValueError(f"decode_steps must be >= 1; got {decode_steps}")
-    self.decode_steps = decode_steps
     if max_prefill_length not in PREFILL_BUCKETS:
       raise ValueError(f"max_prefill_length must be one of {PREFILL_BUCKETS}; got {max_prefill_length}")
     if max_length <= max_prefill_length:
       raise ValueError(f"max_length ({max_length}) must exceed max_prefill_length ({max_prefill_length})")
+    self.decode_steps = decode_steps
     self.config = model.config
     self.cache_dtype = model.model.dtype     # the KV cache in the model's compute dtype (bf16 halves it)
     self._graphdef, params = nnx.split(model)
     self._mesh = mesh if mesh is not None else serving_mesh(1)
-    self.store = ParamStore(jax.device_put(params, sharding.state_shardings(params, self._mesh, SERVING_RULES)),
-                            version)
-    self._slots, self._prefill_len, self._max_length = max_concurrent_decodes, max_prefill_length, max_length
-    self._tokenizer = tokenizer
+    if place_weights:
+      params = jax.device_put(params, sharding.state_shardings(params, self._mesh, SERVING_RULES))
+    self.store = ParamStore(params, version)
+    self._slots, self._prefill_len, self._max_length = slots, max_prefill_length, max_length
     self._seed_stream, self._seed_lock = np.random.default_rng(seed), threading.Lock()
-    self.pending_sampling = threading.local()   # set by the driver's prefill thread per request
-    self.slot_stops = SlotStops(max_concurrent_decodes)
     self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
     self.calls = {"prefill": 0, "generate": 0, "insert": 0}        # every call, traced or not
     self.compile_s = {"prefill": 0.0, "generate": 0.0, "insert": 0.0}   # calls that traced: compile + run
     # The decode state keeps one placement across calls (else a state coming out of `generate` would
     # differ from a fresh one and `insert` would compile again).
-    state_shardings = jax.tree.map(lambda x: x.sharding, self.init_decode_state())
-    replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+    self.state_shardings = jax.tree.map(lambda x: x.sharding, self.init_decode_state())
+    self.replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
     self._prefill_jit = jax.jit(self._prefill_impl)
-    self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
+    self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
     self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,),
-                                 out_shardings=(state_shardings, replicated))
+                                 out_shardings=(self.state_shardings, self.replicated))
+
+  def model(self, params) -> Decoder:
+    return nnx.merge(self._graphdef, params)
 
   def read_weights(self, source):
     """Weights in the served structure and placement from `source` (a checkpoint directory, or Hugging
@@ -274,7 +250,7 @@ class CopcEngine(engine_api.Engine):
 
   def _prefill_impl(self, params, padded_tokens_p, true_length):
     self.trace_counts["prefill"] += 1
-    model = nnx.merge(self._graphdef, params)
+    model = self.model(params)
     p = padded_tokens_p.shape[0]
     cache = KVCache.create(self.config, batch=1, max_length=p, dtype=self.cache_dtype)
     valid = (jnp.arange(p) < true_length)[None]
@@ -300,47 +276,46 @@ class CopcEngine(engine_api.Engine):
         key_data=state.key_data.at[slot].set(jax.random.key_data(jax.random.key(prefix.seed))))
 
   def _generate_impl(self, params, state: DecodeState, version):
-    """`decode_steps` sample + decode steps; data [slots, 5 × decode_steps]: per step the columns
-    token, valid, generated count, log-prob bits, version (`jetstream_compat.COLUMNS`)."""
+    """`decode_steps` decode steps; data [slots, COLUMNS × decode_steps]: per step the columns
+    token, valid, generated count, log-prob bits, version."""
     self.trace_counts["generate"] += 1
-    model = nnx.merge(self._graphdef, params)
+    model = self.model(params)
 
     def step(state, _):
-      keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.key_data), state.generated)
-      tokens, logprobs = sampling.sample(keys, state.logits, state.temperature, state.top_p, state.top_k)
-      # Free slots keep stepping on garbage; keep their writes inside the cache.
-      slots = jnp.minimum(state.lengths, self._max_length - 1)
-      logits, cache = model.decode_rows(tokens, slots, state.cache)
-      generated = state.generated + 1
-      data = jnp.stack([tokens.astype(jnp.int32), jnp.ones_like(generated), generated,
-                        jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32),
-                        state.logits_version], axis=1)
-      return state.replace(cache=cache, lengths=state.lengths + 1, generated=generated, logits=logits,
-                           logits_version=jnp.full_like(state.logits_version, version)), data
+      state, out = decode_step(model, state, version, self._max_length)
+      data = jnp.stack([out.tokens, jnp.ones_like(state.generated), state.generated,
+                        jax.lax.bitcast_convert_type(out.logprobs, jnp.int32), out.versions], axis=1)
+      return state, data
 
     if self.decode_steps == 1:
       return step(state, None)
     state, data = jax.lax.scan(step, state, None, length=self.decode_steps)     # data [steps, slots, 5]
     return state, jnp.transpose(data, (1, 0, 2)).reshape(data.shape[1], -1)
 
-  # --- Engine API ------------------------------------------------------------
+  # --- calls -----------------------------------------------------------------
 
-  def load_params(self, *args, **kwargs):
-    return self.store
-
-  def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length):
-    if existing_prefix is not None:
-      raise NotImplementedError("prefix continuation is not supported")
-    weights, version = params.get()
+  def prefill_prompt(self, weights_and_version, padded_tokens, true_length: int,
+                     options: SamplingOptions | None = None) -> Prefix:
+    """The prefix of one padded prompt under (weights, version), with the request's sampling options
+    (a request without a seed gets one from this engine's own stream)."""
+    weights, version = weights_and_version
     keys, values, last_logits = self._timed("prefill", self._prefill_jit, weights,
                                             np.asarray(padded_tokens, np.int32), np.int32(true_length))
-    options = getattr(self.pending_sampling, "options", None) or SamplingOptions()
+    options = options or SamplingOptions()
     seed = options.seed if options.seed is not None else self._unseeded_requests()
     p = options.params
     # The scalars stay on the host (numpy) until `insert` takes them in: no device op per field.
     return Prefix(keys=keys, values=values, true_length=np.int32(true_length), last_logits=last_logits,
                   version=np.int32(version), temperature=np.float32(p.temperature), top_p=np.float32(p.top_p),
                   top_k=np.int32(p.top_k), seed=np.uint32(seed), stop_sequences=options.stop_sequences)
+
+  def insert_prefix(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
+    return self._timed("insert", self._insert_jit, prefix, state, np.int32(slot))
+
+  def generate_step(self, state: DecodeState):
+    """(state, data [slots, COLUMNS × decode_steps] int32) with the weights served now."""
+    weights, version = self.store.get_for_device()
+    return self._timed("generate", self._generate_jit, weights, state, version)
 
   def _timed(self, name: str, jitted, *args):
     """Call `jitted`; a call that traced (compiled) adds its wall time to `compile_s[name]`."""
@@ -353,25 +328,15 @@ class CopcEngine(engine_api.Engine):
     return out
 
   def _unseeded_requests(self) -> int:
-    """A seed for a request that brought none (the stock `Decode` path): the server's own stream."""
+    """A seed for a request that brought none (the stock `Decode` path): the engine's own stream."""
     with self._seed_lock:
       return int(self._seed_stream.integers(2**32))
-
-  def insert(self, prefix, decode_state, slot):
-    self.slot_stops.start(slot, prefix.stop_sequences)
-    return self._timed("insert", self._insert_jit, prefix, decode_state, np.int32(slot))
-
-  def generate(self, params, decode_state):
-    weights, version = params.get_for_device()
-    state, data = self._timed("generate", self._generate_jit, weights, decode_state, version)
-    return state, engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
-                                          length_idx=(2, 3), samples_per_slot=1)
 
   def cache_sharding(self):
     """The KV cache [L, B, S, KV, D]: KV heads over `tensor` and slots over `data` (where they divide)."""
     return jax.sharding.NamedSharding(self._mesh, cache_partition(self.config, self._mesh, self._slots))
 
-  def init_decode_state(self, *args, **kwargs):
+  def init_decode_state(self, *args, **kwargs) -> DecodeState:
     s, v = self._slots, self.config.vocab_size
     replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
     put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(
@@ -388,26 +353,9 @@ class CopcEngine(engine_api.Engine):
         top_k=put(jnp.zeros((s,), jnp.int32)),
         key_data=put(jnp.zeros((s, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32)))
 
-  def get_prefix_destination_sharding(self):
-    return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
-
-  def get_tokenizer(self):
-    return tokenizer_pb2.TokenizerParameters(path="copc_jax", extra_ids=0)
-
-  def build_tokenizer(self, metadata):
-    eos = self.config.eos_token_id if self.config.eos_token_id is not None else 0
-    bos = self.config.bos_token_id if self.config.bos_token_id is not None else eos
-    pad = getattr(self._tokenizer, "pad_token_id", None)
-    return IdTokenizer(self._tokenizer, eos_id=eos, pad_id=pad if pad is not None else eos, bos_id=bos,
-                       slot_stops=self.slot_stops)
-
   @property
-  def max_concurrent_decodes(self):
+  def slots(self) -> int:
     return self._slots
-
-  @property
-  def samples_per_slot(self):
-    return 1
 
   @property
   def max_prefill_length(self):
@@ -420,7 +368,3 @@ class CopcEngine(engine_api.Engine):
   @property
   def mesh(self):
     return self._mesh
-
-  @property
-  def colocated_cpus(self):
-    return None

@@ -2,7 +2,7 @@
 
     with RolloutPool(checkpoint=DIR, num_servers=2) as pool:
       out = pool.generate(prompt_ids, max_tokens=64, temperature=1.0)
-      pool.update_weights(path, version=1)
+      pool.push(WeightUpdate(1, path))
 
 Each server takes at most `max_in_flight` requests at a time (JetStream's own
 prefill queue is unbounded). A request whose server dies is resubmitted from the
@@ -31,13 +31,12 @@ from copc_jax.rollout import auth
 from copc_jax.rollout.client import RolloutClient, collect
 from copc_jax.rollout.health import HangDetector
 from copc_jax.rollout.process import ServerProcess
-from copc_jax.rollout.protocol import Generation
+from copc_jax.rollout.protocol import Generation, ServerStatus, WeightUpdate
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
 
-
-WEIGHT_TRANSFERS = ("path", "stream")     # servers read the pushed directory / get its bytes over gRPC
+SERVED_KINDS = ("path", "stream", "bytes")     # the `WeightUpdate` kinds a server process can take
 
 
 class PoolExhausted(RuntimeError):
@@ -64,17 +63,16 @@ class _Server:
     self.pushed = False          # has taken a push from this pool (before: its versions are another run's)
     self.lock = threading.Lock()
 
-  def push(self, source: str | bytes, version: int, transfer: str, timeout_s: float | None = None) -> None:
-    """`source`: safetensors bytes (streamed), or a directory by name ("path": the server reads it)
-    or streamed from this machine's disk ("stream"); abandoned after `timeout_s`."""
-    reset = not self.pushed
-    if isinstance(source, bytes):
-      self.client.update_weights_bytes(source, version, reset=reset, timeout_s=timeout_s)
-    elif transfer == "stream":
-      self.client.update_weights_file(os.path.join(source, SAFETENSORS_SINGLE), version, reset=reset,
-                                      timeout_s=timeout_s)
+  def push(self, update: WeightUpdate, timeout_s: float | None = None) -> None:
+    """Send `update` (its first from this pool resets the server's versions); abandoned after `timeout_s`."""
+    reset = update.reset or not self.pushed
+    if update.kind == "bytes":
+      self.client.update_weights_bytes(update.payload, update.version, reset=reset, timeout_s=timeout_s)
+    elif update.kind == "stream":
+      self.client.update_weights_file(os.path.join(update.payload, SAFETENSORS_SINGLE), update.version,
+                                      reset=reset, timeout_s=timeout_s)
     else:
-      self.client.update_weights(source, version, reset=reset, timeout_s=timeout_s)
+      self.client.update_weights(update.payload, update.version, reset=reset, timeout_s=timeout_s)
     self.pushed = True
 
 
@@ -82,7 +80,7 @@ class RolloutPool:
   def __init__(self, checkpoint: str | None = None, *, num_servers: int = 2,
                addresses: list[str] | None = None, max_in_flight: int = 4, max_retries: int = 5,
                ready_timeout_s: float = 120.0, log_dir: str | None = None, stall_timeout_s: float = 10.0,
-               probe_timeout_s: float = 5.0, lost_timeout_s: float = 120.0, weight_transfer: str = "path",
+               probe_timeout_s: float = 5.0, lost_timeout_s: float = 120.0,
                token: str | None = None, tls_root_certificates: str = "", push_timeout_s: float = 300.0,
                **server_kwargs):
     """`token`: the remote servers' shared token (None: $COPC_AUTH_TOKEN, if set); local servers get
@@ -92,14 +90,11 @@ class RolloutPool:
     self.push_timeout_s = push_timeout_s
     if (checkpoint is None) == (addresses is None):
       raise ValueError("give either checkpoint (start local servers) or addresses (remote servers)")
-    if weight_transfer not in WEIGHT_TRANSFERS:
-      raise ValueError(f"weight_transfer must be one of {WEIGHT_TRANSFERS}; got {weight_transfer!r}")
-    self.weight_transfer = weight_transfer
     self._checkpoint, self._server_kwargs, self._log_dir = checkpoint, server_kwargs, log_dir
     self.max_in_flight, self.max_retries = max_in_flight, max_retries
     self.ready_timeout_s = ready_timeout_s
     self._cond = threading.Condition()
-    self._latest_weights: tuple[str | bytes, int] | None = None     # for servers that missed it
+    self._latest_weights: WeightUpdate | None = None     # for servers that missed it
     self._closed = False
     # Local servers share one fresh token: another pool given it (`token=pool.token`) may call them.
     self.token = token if addresses is not None else auth.new_token()
@@ -167,7 +162,7 @@ class RolloutPool:
       server.restarts += 1
       server.pushed = False
       if self._latest_weights is not None:
-        server.push(*self._latest_weights, self.weight_transfer, self.push_timeout_s)
+        server.push(self._latest_weights, self.push_timeout_s)
       server.healthy = True
     with self._cond:
       self._cond.notify_all()
@@ -196,7 +191,7 @@ class RolloutPool:
       if self._detector.responds(server):
         try:
           if self._latest_weights is not None:
-            server.push(*self._latest_weights, self.weight_transfer, self.push_timeout_s)
+            server.push(self._latest_weights, self.push_timeout_s)
         except grpc.RpcError:
           continue
         with self._cond:
@@ -231,18 +226,13 @@ class RolloutPool:
     with ThreadPoolExecutor(workers) as executor:
       return list(executor.map(lambda r: self.generate(**r), requests))
 
-  def update_weights(self, path: str, version: int) -> None:
-    """Push a `save_pretrained` directory to every server as `version` (servers restarted later get it too)."""
-    self._push_to_all(path, version)
-
-  def update_weights_bytes(self, payload: bytes, version: int) -> None:
-    """Stream one safetensors file's bytes (held in memory, nothing on disk) to every server as `version`."""
-    self._push_to_all(payload, version)
-
-  def _push_to_all(self, source: str | bytes, version: int) -> None:
-    self._latest_weights = (source, version)
-    described = (f"{len(source)} bytes in memory" if isinstance(source, bytes)
-                 else f"{self.weight_transfer} {source}")
+  def push(self, update: WeightUpdate) -> None:
+    """Push `update` to every server (servers restarted or recovered later get it too)."""
+    if update.kind not in SERVED_KINDS:
+      raise ValueError(f"a server process takes weights as one of {SERVED_KINDS}; got {update.kind!r} "
+                       f"(arrays in memory are for the in-process backend)")
+    self._latest_weights = update
+    version = update.version
 
     def push(server: _Server) -> None:
       if server.process is not None and not server.process.alive():
@@ -254,7 +244,7 @@ class RolloutPool:
         self._on_hung(server)       # it gets these weights when it answers again
         return
       try:
-        server.push(source, version, self.weight_transfer, self.push_timeout_s)
+        server.push(update, self.push_timeout_s)
       except grpc.RpcError as err:
         alive = server.process is None or server.process.alive()
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and alive:
@@ -262,9 +252,9 @@ class RolloutPool:
           return
         if err.code() not in RETRYABLE:
           hint = (" A server that does not share this machine's filesystem needs weight_transfer='stream' "
-                  "(config.rollout.weight_transfer)." if described.startswith("path") else "")
+                  "(config.rollout.weight_transfer)." if update.kind == "path" else "")
           raise WeightPushError(f"rollout server {server.address} refused weights version {version} "
-                                f"({described}): {err.details()}.{hint}") from err
+                                f"({update.describe()}): {err.details()}.{hint}") from err
         self._handle_failure(server)    # a restarted local server gets these weights as it starts
 
     with ThreadPoolExecutor(len(self.servers)) as executor:
@@ -272,9 +262,9 @@ class RolloutPool:
     if not any(s.healthy for s in self.servers):
       raise PoolExhausted(f"no rollout server took weights version {version}: every one is unreachable")
 
-  def status(self) -> list[dict]:
-    return [dict(address=s.address, healthy=s.healthy, hung=s.hung, in_flight=s.in_flight,
-                 restarts=s.restarts, hangs=s.hangs, **(s.client.status() if s.healthy else {}))
+  def status(self) -> list[ServerStatus]:
+    return [ServerStatus(address=s.address, healthy=s.healthy, hung=s.hung, in_flight=s.in_flight,
+                         restarts=s.restarts, hangs=s.hangs, report=s.client.status() if s.healthy else {})
             for s in self.servers]
 
   def close(self) -> None:

@@ -53,7 +53,8 @@ def main(argv):
     parent_watchdog.exit_when_orphaned()
   from copc_jax.models import hf_io
   from copc_jax.rollout import auth
-  from copc_jax.rollout.engine import SERVING_RULES, CopcEngine, serving_mesh
+  from copc_jax.rollout.engine import SERVING_RULES, serving_mesh
+  from copc_jax.rollout.jetstream_adapter import CopcEngine
 
   try:                    # refused before the model loads: one line, exit status 2
     token = auth.resolve_token(FLAGS.auth_token_file)

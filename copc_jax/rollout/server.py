@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 
 import grpc
 import jax
@@ -35,108 +34,22 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors_bytes
 
 from copc_jax.models import hf_io
-from copc_jax.rollout import auth, jetstream_compat, requests
+from copc_jax.rollout import auth, requests
 from copc_jax.rollout.channel import BatchingChannel
-from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+from copc_jax.rollout.engine import SamplingOptions
+from copc_jax.rollout.jetstream_adapter import (
+  CopcDriver,
+  CopcEngine,
+  RLActiveRequest,
+  ValidatingOrchestrator,
+  jetstream_pb2_grpc,
+  limits_of,
+)
 from copc_jax.rollout.protocol import MAX_MESSAGE_BYTES, SERVICE
 from copc_jax.sampling import SamplingParams
 
-_, orchestrator, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
-
 _to_json = lambda obj: json.dumps(obj).encode()
 _raw = lambda data: data
-
-
-class RLActiveRequest(orchestrator.ActiveRequest):
-  """JetStream's request with the sampling options of one RL generation."""
-
-  def __init__(self, *args, sampling: SamplingOptions, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.sampling = sampling
-
-
-# JetStream 0.2.2's generate loop asserts this after its insert pass; a race can make it false.
-GENERATE_RACE = "At this point we must have some requests inserted into the slots."
-
-
-class CopcDriver(orchestrator.Driver):
-  """JetStream's Driver; hands each request's sampling options to the engine's prefill, survives
-  the generate loop's race (`_generate_thread`), and bounds how far that loop runs ahead."""
-
-  def __init__(self, *args, calls_ahead: int = 2, **kwargs):
-    """`calls_ahead`: generate calls the loop may have waiting for the detokenize thread (JetStream
-    0.2.2: 8). A slot is freed only when the detokenizer sees its request finish, so every call
-    ahead decodes a finished slot for nothing; 2 keeps the device fed while the host catches up."""
-    if calls_ahead < 1:
-      raise ValueError(f"calls_ahead must be >= 1; got {calls_ahead}")
-    super().__init__(*args, **kwargs)
-    for backlog in self._detokenize_backlogs:     # before any request: nothing is queued yet
-      with backlog.mutex:
-        backlog.maxsize = calls_ahead
-
-  def _generate_thread(self, idx: int):
-    """JetStream's generate loop, started over where 0.2.2 trips on its own race.
-
-    The loop notes how many slots are free, takes one, finds no new request and puts the slot back;
-    if the detokenize thread frees the last busy slots in between, the loop's assertion that some
-    slot is busy fails, and JetStream SIGKILLs the whole server. At that moment every slot is free:
-    no request is in flight, so the loop starts over with a fresh decode state and loses nothing.
-    """
-    while True:
-      try:
-        return super()._generate_thread(idx)
-      except AssertionError as err:
-        if str(err) != GENERATE_RACE or not self.live:
-          raise
-        logging.info("generate loop %d: every slot was freed during its insert pass; starting over", idx)
-
-  def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
-    for engine in self._prefill_engines:
-      engine.pending_sampling.options = getattr(request, "sampling", None)
-    content = request.prefill_content
-    if not isinstance(content, str):
-      request.prefill_content = np.asarray(content, np.int32)   # 0.2.2 needs an array without BOS
-    return super()._process_prefill_content(request, tokenizer, is_bos, max_prefill_length)
-
-
-def limits_of(engine: CopcEngine) -> requests.Limits:
-  return requests.Limits(vocab_size=engine.config.vocab_size, max_prefill_length=engine.max_prefill_length,
-                         max_length=engine.max_length)
-
-
-class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
-  """The stock service, refusing requests that would crash JetStream's threads. Text prompts are
-  tokenized as the driver will (BOS added unless a session cache is given) and checked the same."""
-
-  def __init__(self, driver, engine: CopcEngine):
-    super().__init__(driver)
-    self._engine = engine
-    self._tokenizer = engine.build_tokenizer(None)
-
-  def _check(self, request) -> None:
-    limits, bos = limits_of(self._engine), int(not request.session_cache)
-    if request.WhichOneof("content") == "token_content":
-      prompt = requests.token_ids(list(request.token_content.token_ids), "token_content.token_ids",
-                                  limits.vocab_size)
-      length = len(prompt) + bos
-    elif request.WhichOneof("content") == "text_content":
-      text = request.text_content.text
-      if not text:
-        raise requests.RequestError("text_content.text must be a non-empty string")
-      length = self._tokenizer.token_count(text) + bos
-      if length == bos:
-        raise requests.RequestError("text_content.text tokenizes to no tokens (the server has no tokenizer)")
-    else:
-      raise requests.RequestError("Decode: the request has neither token_content nor text_content")
-    requests.generation_length(limits, length, request.max_tokens)
-
-  async def Decode(self, request, context=None):  # noqa: N802 - gRPC method name
-    try:
-      self._check(request)
-    except requests.RequestError as err:
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Decode: {err}")
-    async for response in super().Decode(request, context):
-      yield response
 
 
 class RolloutService:

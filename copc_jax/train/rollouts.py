@@ -20,18 +20,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 from copc_jax.envs.tasks import Task
 from copc_jax.rollout.agent import GenerateFn, Trajectory, continue_episode, request_seed, run_episode
+from copc_jax.rollout.protocol import WEIGHT_TRANSFERS
 from copc_jax.sampling import SamplingParams
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
 SERVER_PLATFORMS = ("cpu", "tpu", "cuda", "rocm", "")
-# config.rollout.weight_transfer → what the pool does with a pushed version ("memory" pushes bytes
-# itself and streams lag mode's saved versions; "shm" versions are read by path).
-POOL_TRANSFER = {"path": "path", "stream": "stream", "memory": "stream", "shm": "path"}
-TRANSFERS = tuple(POOL_TRANSFER)
+BACKENDS = ("jetstream", "in_process")
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
+  backend: str = "jetstream"            # "jetstream": a pool of JetStream server processes; "in_process":
+                                        # generated in the learner's process on its devices (one host)
+  in_process_steps: int = 32            # in_process: decode steps per device call (new requests join between)
   num_servers: int = 2                  # local JetStream servers started as subprocesses
   addresses: tuple[str, ...] = ()       # or remote servers (host:port); then num_servers is ignored
   eval_addresses: tuple[str, ...] = ()  # lag mode with remote servers: a server for evaluations
@@ -76,7 +77,11 @@ class RolloutConfig:
     if self.server_tensor_parallelism == 0 or self.server_tensor_parallelism < -1:
       raise ValueError(f"server_tensor_parallelism must be -1 (all devices) or >= 1; got "
                        f"{self.server_tensor_parallelism}")
-    if self.weight_transfer not in TRANSFERS:
+    if self.backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}; got {self.backend!r}")
+    if self.in_process_steps < 1:
+      raise ValueError(f"in_process_steps must be >= 1; got {self.in_process_steps}")
+    if self.weight_transfer not in WEIGHT_TRANSFERS:
       raise ValueError(f"weight_transfer must be 'path', 'stream', 'memory' or 'shm'; got "
                        f"{self.weight_transfer!r}")
     if not self.addresses and self.num_servers < 1:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from copc_jax.rollout.protocol import ServerStatus
+
 LIMITS = ("max_prefill_length", "max_length")
 
 
@@ -24,14 +26,15 @@ def model_fields(model_config) -> dict:
   return json.loads(json.dumps(dataclasses.asdict(model_config)))
 
 
-def check_servers(statuses: list[dict], rollout, model_config) -> None:
-  """`statuses`: the pool's `status()`; servers that do not answer now are checked when they do not
+def check_servers(statuses: list[ServerStatus], rollout, model_config) -> None:
+  """`statuses`: the backend's `status()`; servers that do not answer now are checked when they do not
   matter (they take no requests until they answer, and then serve the same process's weights)."""
   expected = model_fields(model_config)
-  for status in statuses:
-    if not status.get("healthy", True) or "max_length" not in status:
+  for server in statuses:
+    status = server.report
+    if not server.healthy or "max_length" not in status:
       continue
-    where = f"rollout server {status.get('address', '?')}"
+    where = f"rollout server {server.address}"
     for field in LIMITS:
       if status[field] < getattr(rollout, field):
         raise ServerMismatch(f"{where} has {field} {status[field]}, less than config.rollout.{field} "

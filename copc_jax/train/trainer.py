@@ -6,7 +6,7 @@
 The parts, each in its own module:
 
     warm_start.prepare ─► Trainer(config, workdir, actor_checkpoint=...)   (wiring only)
-      run():  backend (JetStream pool) · WeightStore (weights.py) · batch source per mode
+      run():  backend (JetStream pool or in-process) · WeightStore (weights.py) · batch source per mode
               (batch_sources.py: sync | lag | async) · Learner · Checkpointer · MetricsLogger
       loop:   next_batch(v) → train → after_update(v + 1) → [eval] → log → [checkpoint]
 
@@ -47,6 +47,7 @@ from copc_jax.models.attention import check_implementation
 from copc_jax.models.decoder import ValueModel, remat_policy_name
 from copc_jax.rollout import auth
 from copc_jax.rollout.agent import to_batch
+from copc_jax.rollout.in_process import InProcessBackend
 from copc_jax.rollout.pool import PoolExhausted, RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend
 from copc_jax.train import checkpoint, multihost, rollouts, server_check, warm_start
@@ -56,7 +57,7 @@ from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
 from copc_jax.train.metrics import TRACKERS, MetricsLogger, read_metrics, update_rows
 from copc_jax.train.timing import PhaseTimer
-from copc_jax.train.weights import WeightStore
+from copc_jax.train.weights import IN_PROCESS, WeightStore
 
 MODES = ("sync", "async", "lag")
 STEP_PHASES = ("rollout_wait_s", "train_s", "weight_sync_s")    # they add up to step_time_s
@@ -289,7 +290,7 @@ class Trainer:
     self.resuming = self.checkpointer.latest_step() is not None
     if self.resuming:
       self._restore()
-    self.backend_factory = backend_factory or self._start_pool
+    self.backend_factory = backend_factory or self._start_backend
     self.timer = PhaseTimer()
 
   # --- wiring -----------------------------------------------------------------------
@@ -317,9 +318,17 @@ class Trainer:
       with open(stopped) as f:
         self.record["processes"][jax.process_index()] = json.load(f)
 
-  def _start_pool(self, evaluation: bool = False) -> RolloutBackend:
-    """The training servers, or (`evaluation`) one server that evaluates the learner's weights."""
+  def _start_backend(self, evaluation: bool = False) -> RolloutBackend:
+    """The training servers, or (`evaluation`) one server that evaluates the learner's weights; or,
+    with `rollout.backend = "in_process"`, a generator in this process on the learner's devices."""
     c = self.config.rollout
+    if c.backend == "in_process":
+      try:
+        return InProcessBackend(self.learner.actor, slots=c.slots, max_prefill_length=c.max_prefill_length,
+                                max_length=c.max_length, steps_per_call=c.in_process_steps, version=-1,
+                                mesh=self.learner.mesh)
+      except ValueError as err:
+        raise TrainingError(f"config.rollout: {err}") from err
     addresses = c.eval_addresses if evaluation else c.addresses
     if evaluation and c.addresses and not addresses:
       raise TrainingError("lag mode evaluates the learner's current weights on a server of its own: with "
@@ -328,8 +337,7 @@ class Trainer:
     _say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
     try:
       common = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
-                    lost_timeout_s=c.lost_timeout_s, push_timeout_s=c.push_timeout_s,
-                    weight_transfer=rollouts.POOL_TRANSFER[c.weight_transfer])
+                    lost_timeout_s=c.lost_timeout_s, push_timeout_s=c.push_timeout_s)
       if addresses:
         return RolloutPool(addresses=list(addresses), max_in_flight=c.max_in_flight,
                            token=auth.resolve_token(c.auth_token_file),
@@ -349,6 +357,10 @@ class Trainer:
                           f"config.rollout.max_prefill_length / max_length / slots must suit the model, "
                           f"and config.rollout.ready_timeout_s ({c.ready_timeout_s}) must cover compilation.") \
           from err
+
+  def _weight_transfer(self) -> str:
+    """How pushed versions travel: as arrays to an in-process backend, else config.rollout.weight_transfer."""
+    return IN_PROCESS if self.config.rollout.backend == "in_process" else self.config.rollout.weight_transfer
 
   # --- the run ------------------------------------------------------------------------
 
@@ -370,7 +382,7 @@ class Trainer:
                                         seed=(self.config.seed, jax.process_index()))
         weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
                               pushes=not self.config.rollout.addresses or multihost.is_chief(),
-                              transfer=self.config.rollout.weight_transfer)
+                              transfer=self._weight_transfer())
         opened.append(weights)
         saved = self._process_record()
         source = make_batch_source(self.cfg, runner, self._prompts(runner, saved.get("data", {})), weights,
@@ -397,7 +409,7 @@ class Trainer:
       runner = rollouts.EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
                                       seed=(self.config.seed, jax.process_index()))
       weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
-                            transfer=self.config.rollout.weight_transfer)
+                            transfer=self._weight_transfer())
       try:
         weights.push(0, self.learner.actor)
         records = [{**r, "draw": i} for i, r in enumerate(r for r in self.task.train if runner.fits(r))][:count]
@@ -409,8 +421,6 @@ class Trainer:
 
   def _check_servers(self, backend) -> None:
     """Servers must fit the rollout config's lengths and serve the learner's model (`server_check`)."""
-    if not hasattr(backend, "status"):
-      return                     # an in-process backend (tests): it serves what it is given
     try:
       server_check.check_servers(backend.status(), self.config.rollout, self.learner.actor.config)
     except server_check.ServerMismatch as err:

@@ -28,13 +28,15 @@ import secrets
 import shutil
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from copc_jax.models import hf_io
 from copc_jax.models.decoder import Decoder
-from copc_jax.rollout.protocol import RolloutBackend
+from copc_jax.rollout.protocol import WEIGHT_TRANSFERS, RolloutBackend, WeightUpdate
 from copc_jax.train import checkpoint, multihost
-from copc_jax.train.rollouts import TRANSFERS
+
+IN_PROCESS = "arrays"        # the transfer of an in-process backend (not a config.rollout.weight_transfer)
 
 
 class WeightsGone(RuntimeError):
@@ -83,8 +85,8 @@ class WeightStore:
   def __init__(self, directory: str, backend: RolloutBackend, *, pushes: bool = True, transfer: str = "path"):
     """`transfer`: how a version pushed with the learner's weights at hand reaches the servers (see
     the module docstring): "memory" and "shm" never write it to `directory`."""
-    if transfer not in TRANSFERS:
-      raise ValueError(f"transfer must be one of {TRANSFERS}; got {transfer!r}")
+    if transfer not in (*WEIGHT_TRANSFERS, IN_PROCESS):
+      raise ValueError(f"transfer must be one of {(*WEIGHT_TRANSFERS, IN_PROCESS)}; got {transfer!r}")
     self.directory, self.backend, self.pushes, self.transfer = directory, backend, pushes, transfer
     self.served: int | None = None          # the version the servers hold (None: the base weights)
     self._shared = shared_memory_directory() if transfer == "shm" and pushes else None
@@ -112,12 +114,15 @@ class WeightStore:
     if self.served == version:
       return
     fresh = actor is not None and not os.path.exists(self.path(version))
-    if fresh and self.transfer in ("memory", "shm"):
-      actor = self._whole(actor)
-      if self.pushes and self.transfer == "memory":
-        self.backend.update_weights_bytes(hf_io.params_bytes(actor), version)
-      elif self.pushes:
-        self._push_through_shared_memory(version, actor)
+    if fresh and self.transfer in ("memory", "shm", IN_PROCESS):
+      if self.transfer == IN_PROCESS:        # one process: the in-process backend refuses several
+        self.backend.push(WeightUpdate(version, jax.tree.map(jnp.copy, nnx.state(actor, nnx.Param)), "arrays"))
+      else:
+        actor = self._whole(actor)           # every process takes part in gathering the weights
+        if self.pushes and self.transfer == "memory":
+          self.backend.push(WeightUpdate(version, hf_io.params_bytes(actor), "bytes"))
+        elif self.pushes:
+          self._push_through_shared_memory(version, actor)
       multihost.barrier(f"push v{version}")
       self.served = version
       return
@@ -127,7 +132,8 @@ class WeightStore:
                           f"keeps the last `lag` versions there; do not delete them while a run can resume")
       self.save(version, actor)
     if self.pushes:
-      self.backend.update_weights(self.path(version), version)
+      saved_kind = WEIGHT_TRANSFERS.get(self.transfer, ("path", "path"))[1]
+      self.backend.push(WeightUpdate(version, self.path(version), saved_kind))
     multihost.barrier(f"push v{version}")      # nobody generates with `version` before the servers have it
     self.served = version
 
@@ -136,7 +142,7 @@ class WeightStore:
     served before is deleted (the pool re-pushes only the newest to a restarted server)."""
     path = os.path.join(self._shared, f"v{version}")
     checkpoint.write_atomically(path, lambda tmp: _owner_only(hf_io.save_params(actor, tmp), tmp))
-    self.backend.update_weights(path, version)
+    self.backend.push(WeightUpdate(version, path, "path"))
     for name in os.listdir(self._shared):
       if name != f"v{version}":
         shutil.rmtree(os.path.join(self._shared, name), ignore_errors=True)

@@ -86,6 +86,7 @@ def measure_seed(args, seed: int) -> dict:
   from copc_jax.envs import data
   from copc_jax.rollout.agent import to_batch
   from copc_jax.rollout.pool import RolloutPool
+  from copc_jax.rollout.protocol import WeightUpdate
   from copc_jax.sampling import token_logprobs_and_entropy
   from copc_jax.train import rollouts, trainer
   from copc_jax.train.learner import state_values
@@ -111,10 +112,10 @@ def measure_seed(args, seed: int) -> dict:
   weights = lambda v: os.path.join(train_dir, "weights", f"v{v}")
   rows = {}
   with RolloutPool(warm, **pool_args) as behaviour, RolloutPool(warm, **pool_args) as current:
-    current.update_weights(weights(version), version)
+    current.push(WeightUpdate(version, weights(version)))
     runner_pi = rollouts.EpisodeRunner(current.generate, run.task, run.tokenizer, c, seed=("pi", seed))
     for lag in reversed(lags):          # the behaviour server's versions only move forward
-      behaviour.update_weights(weights(version - lag), version - lag)
+      behaviour.push(WeightUpdate(version - lag, weights(version - lag)))
       runner_mu = rollouts.EpisodeRunner(behaviour.generate, run.task, run.tokenizer, c, seed=("mu", seed, lag))
       episodes = rollouts.collect(runner_mu, records, c.concurrency)
       batch = to_batch([e.trajectory for e in episodes], length=c.max_length)

@@ -9,6 +9,7 @@ import pytest
 
 from copc_jax.models import tiny
 from copc_jax.rollout.pool import RolloutPool, wait_until
+from copc_jax.rollout.protocol import WeightUpdate
 
 
 @pytest.fixture(scope="module")
@@ -58,30 +59,28 @@ def test_weight_push_reaches_every_server_and_restarted_ones(checkpoint, tmp_pat
 
   model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
   hf_io.save_pretrained(Decoder(model.config, rngs=nnx.Rngs(5)), str(tmp_path / "v3"))
-  with RolloutPool(checkpoint, num_servers=2, max_prefill_length=16, max_length=64,
-                   weight_transfer="stream") as pool:
-    pool.update_weights(str(tmp_path / "v3"), version=3)
-    assert [s["version"] for s in pool.status()] == [3, 3]
+  with RolloutPool(checkpoint, num_servers=2, max_prefill_length=16, max_length=64) as pool:
+    pool.push(WeightUpdate(3, str(tmp_path / "v3"), "stream"))
+    assert [s.version for s in pool.status()] == [3, 3]
     pool.servers[1].process.kill()
     pool._handle_failure(pool.servers[1])
-    assert pool.status()[1]["version"] == 3
+    assert pool.status()[1].version == 3
     outs = pool.generate_many([dict(token_ids=[1, 5, 6], max_tokens=4)] * 8)
     assert all(set(o.versions) == {3} for o in outs)
     pool.servers[0].process.kill()
     pool._on_hung(pool.servers[0])          # the detector's probe of a dead server: not "hung"
     assert not pool.servers[0].hung
-    pool.update_weights(str(tmp_path / "v3"), version=4)     # a push restarts a dead server
-    assert [s["version"] for s in pool.status()] == [4, 4] and pool.servers[0].restarts == 1
-    assert all(s["weight_swaps"]["UpdateWeights"] == 0 for s in pool.status())   # restarts streamed too
-    before = [s["weight_swaps"] for s in pool.status()]
-    with RolloutPool(addresses=[s.address for s in pool.servers], weight_transfer="path",
-                     token=pool.token) as next_run:
-      next_run.update_weights(str(tmp_path / "v3"), version=0)
-      next_run.update_weights(str(tmp_path / "v3"), version=1)
-      assert [s["version"] for s in next_run.status()] == [1, 1]
+    pool.push(WeightUpdate(4, str(tmp_path / "v3"), "stream"))     # a push restarts a dead server
+    assert [s.version for s in pool.status()] == [4, 4] and pool.servers[0].restarts == 1
+    assert all(s.report["weight_swaps"]["UpdateWeights"] == 0 for s in pool.status())   # restarts streamed too
+    before = [s.report["weight_swaps"] for s in pool.status()]
+    with RolloutPool(addresses=[s.address for s in pool.servers], token=pool.token) as next_run:
+      next_run.push(WeightUpdate(0, str(tmp_path / "v3")))
+      next_run.push(WeightUpdate(1, str(tmp_path / "v3")))
+      assert [s.version for s in next_run.status()] == [1, 1]
       outs = next_run.generate_many([dict(token_ids=[1, 5], max_tokens=3)] * 4)
       assert all(set(o.versions) == {1} for o in outs)
-      after = [s["weight_swaps"] for s in next_run.status()]
+      after = [s.report["weight_swaps"] for s in next_run.status()]
       assert [a["UpdateWeights"] - b["UpdateWeights"] for a, b in zip(after, before)] == [2, 2]
       assert [a["UpdateWeightsBytes"] for a in after] == [b["UpdateWeightsBytes"] for b in before]
 
@@ -150,7 +149,7 @@ def test_a_paused_server_is_found_its_requests_finish_elsewhere_and_it_comes_bac
       assert paused.hangs == 1 and paused.hung and not paused.healthy
       model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
       hf_io.save_pretrained(Decoder(model.config, rngs=nnx.Rngs(5)), str(tmp_path / "v2"))
-      pool.update_weights(str(tmp_path / "v2"), version=2)      # the paused server is skipped, not waited for
+      pool.push(WeightUpdate(2, str(tmp_path / "v2")))      # the paused server is skipped, not waited for
     finally:
       os.kill(paused.process.process.pid, signal.SIGCONT)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
@@ -177,7 +176,7 @@ def test_a_server_that_stops_answering_mid_push_is_abandoned_and_caught_up(check
     monkeypatch.setattr(pool._detector, "responds", lambda server: server is not frozen or not frozen.hung)
     os.kill(frozen.process.process.pid, signal.SIGSTOP)          # after its probe, before the push lands
     try:
-      pool.update_weights(str(tmp_path / "v1"), version=1)       # returns: the stopped server is abandoned
+      pool.push(WeightUpdate(1, str(tmp_path / "v1")))       # returns: the stopped server is abandoned
       assert frozen.hung and not frozen.healthy and frozen.hangs == 1
       assert pool.servers[1].client.status()["version"] == 1
       assert pool.generate([1, 5], max_tokens=2).versions == [1, 1]   # routed to the live server only

@@ -10,10 +10,10 @@ from safetensors.numpy import save as save_safetensors_bytes
 from copc_jax import sampling
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder, KVCache
-from copc_jax.rollout import auth, jetstream_compat
+from copc_jax.rollout import auth, jetstream_adapter
 from copc_jax.rollout.process import ServerProcess
 
-_, _, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_compat.install()
+_, _, _, jetstream_pb2, jetstream_pb2_grpc = jetstream_adapter.install()
 TOL = 1e-4
 
 
@@ -177,7 +177,8 @@ def test_weight_push_mid_generation_versions_and_logprobs(checkpoint):
   generate step 8, so token 8 still comes from logits of the old weights and token
   9 onward from the new ones, over a KV cache that the old weights wrote.
   """
-  from copc_jax.rollout.engine import CopcEngine, SamplingOptions
+  from copc_jax.rollout.engine import SamplingOptions
+  from copc_jax.rollout.jetstream_adapter import CopcEngine, SampledPrompt
 
   old, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
   new = Decoder(old.config, rngs=nnx.Rngs(42))
@@ -186,9 +187,9 @@ def test_weight_push_mid_generation_versions_and_logprobs(checkpoint):
   prompt = [1, 40, 41, 42]
   padded = np.zeros(16, np.int32)
   padded[:len(prompt)] = prompt
-  engine.pending_sampling.options = SamplingOptions(seed=5)
-  state = engine.insert(engine.prefill(params=store, padded_tokens=padded, true_length=len(prompt)),
-                        engine.init_decode_state(), 1)
+  options = SamplingOptions(seed=5)
+  prefix = engine.prefill(params=store, padded_tokens=SampledPrompt(padded, options), true_length=len(prompt))
+  state = engine.insert(prefix, engine.init_decode_state(), 1)
   tokens, logprobs, versions = [], [], []
   for step in range(24):
     if step == 8:
@@ -320,13 +321,14 @@ def test_servers_take_their_platform_from_the_environment_unless_pinned(monkeypa
 def engine_decode(engine, prompts, steps, seed=5):
   """Tokens and log-probs of `steps` decode steps for each prompt, one slot each (stepped by hand)."""
   from copc_jax.rollout.engine import SamplingOptions
+  from copc_jax.rollout.jetstream_adapter import SampledPrompt
 
   store, state = engine.load_params(), engine.init_decode_state()
   for slot, prompt in enumerate(prompts):
     padded = np.zeros(16, np.int32)
     padded[:len(prompt)] = prompt
-    engine.pending_sampling.options = SamplingOptions(seed=seed + slot)
-    prefix = engine.prefill(params=store, padded_tokens=padded, true_length=len(prompt))
+    options = SamplingOptions(seed=seed + slot)
+    prefix = engine.prefill(params=store, padded_tokens=SampledPrompt(padded, options), true_length=len(prompt))
     state = engine.insert(prefix, state, slot)
   tokens, logprobs = [], []
   for _ in range(steps // engine.decode_steps):
@@ -344,7 +346,8 @@ def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(che
                                                                              tensor_parallelism):
   """Split over `tensor` (and, with a `data` axis, the slots over data groups): the same tokens and
   log-probs as one device, and a weight push keeps every placement."""
-  from copc_jax.rollout.engine import CopcEngine, serving_mesh
+  from copc_jax.rollout.engine import serving_mesh
+  from copc_jax.rollout.jetstream_adapter import CopcEngine
 
   model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
   prompts = [[1, 40, 41, 42], [1, 7, 8]]
@@ -400,7 +403,7 @@ def test_a_server_process_serves_over_all_devices_of_its_platform(checkpoint):
 @pytest.mark.parametrize("decode_steps", [3, 4])
 def test_several_decode_steps_per_call_give_the_same_tokens(checkpoint, decode_steps):
   """`decode_steps` tokens per engine call (a scan on the device) change nothing in what is sampled."""
-  from copc_jax.rollout.engine import CopcEngine
+  from copc_jax.rollout.jetstream_adapter import CopcEngine
 
   model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
   make = lambda k: CopcEngine(model, max_concurrent_decodes=2, max_prefill_length=16, max_length=64,
@@ -445,7 +448,7 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_records_its_own_logprobs(c
   and incremental decoding round differently in bf16)."""
   import jax.numpy as jnp
 
-  from copc_jax.rollout.engine import CopcEngine
+  from copc_jax.rollout.jetstream_adapter import CopcEngine
 
   model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False, dtype=jnp.bfloat16)
   engine = CopcEngine(model, max_concurrent_decodes=2, max_prefill_length=16, max_length=64)

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from copc_jax.rollout.protocol import Generation
+from copc_jax.rollout.protocol import Generation, ServerStatus
 
 
 class ScriptedPool:
@@ -38,10 +38,14 @@ class ScriptedPool:
       return Generation(tokens, logprobs, [version] * n, "stop_sequence")
     return Generation(tokens, logprobs, [version] * n, "length" if n == max_tokens else "stop")
 
-  def update_weights(self, path, version):
+  def push(self, update):
+    version = update.version
     assert version > self.version, (version, self.version)
     self.version = version
     self.pushes.append(version)
+
+  def status(self):
+    return [ServerStatus("scripted", report={"version": self.version})]
 
   def close(self):
     self.closed = True

@@ -5,7 +5,7 @@ from scripted_pool import ScriptedPool
 from copc_jax.envs import data
 from copc_jax.envs.tasks import TaskConfig, make_task
 from copc_jax.models import tiny
-from copc_jax.rollout.protocol import Generation
+from copc_jax.rollout.protocol import Generation, WeightUpdate
 from copc_jax.train import rollouts
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
@@ -50,7 +50,7 @@ def test_an_episode_that_follows_the_demonstration_earns_the_reward(tokenizer, t
 def test_episode_json_round_trip(tokenizer, task):
   pool = ScriptedPool(len(tokenizer), tool_call_end=tokenizer.encode("</code>", add_special_tokens=False))
   runner = rollouts.EpisodeRunner(pool.generate, task, tokenizer, rollouts.RolloutConfig())
-  pool.update_weights("unused", 0)
+  pool.push(WeightUpdate(0, "unused"))
   episode = runner.run(task.train[0])
   again = rollouts.Episode.from_json(episode.to_json())
   assert again.trajectory == episode.trajectory and again.correct == episode.correct
@@ -75,7 +75,7 @@ def test_async_collection_never_hands_out_stale_episodes(tokenizer, task, max_st
   batch = 4
   admission = AdmissionControl(max_staleness, batch)
   buffer = TrajectoryBuffer(max_staleness)
-  pool.update_weights("unused", 0)
+  pool.push(WeightUpdate(0, "unused"))
   collector = rollouts.AsyncCollector(runner, rollouts.PromptSource(data.PromptIterator(task.train)),
                                       admission, buffer, workers=6, weights_version=lambda: pool.version)
   collector.start()
@@ -90,7 +90,7 @@ def test_async_collection_never_hands_out_stale_episodes(tokenizer, task, max_st
       assert max(staleness) <= max_staleness and max(token_staleness) <= max_staleness
       admission.on_update(batch)
       if (version + 1) % sync_every == 0:
-        pool.update_weights("unused", version + 1)
+        pool.push(WeightUpdate(version + 1, "unused"))
         admission.wake()
   finally:
     collector.stop()

@@ -18,8 +18,8 @@ class PathBackend:
   def __init__(self):
     self.pushed = []
 
-  def update_weights(self, path, version):
-    self.pushed.append((path, version, sorted(hf_io.tensor_files(path))))
+  def push(self, update):
+    self.pushed.append((update.payload, update.version, sorted(hf_io.tensor_files(update.payload))))
 
 
 def test_shm_pushes_go_through_shared_memory_and_keep_only_the_newest(tmp_path):

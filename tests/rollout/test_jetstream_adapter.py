@@ -7,15 +7,15 @@ import sys
 import numpy as np
 import pytest
 
-from copc_jax.rollout import jetstream_compat
+from copc_jax.rollout import jetstream_adapter
 
-engine_api, orchestrator, token_utils, jetstream_pb2, _ = jetstream_compat.install()
+engine_api, orchestrator, token_utils, jetstream_pb2, _ = jetstream_adapter.install()
 
 
 def test_import_chain_needs_neither_tensorflow_nor_seqio_and_keeps_the_root_logger():
   code = (
       "import logging, sys; root = logging.getLogger(); level = root.level; n = len(root.handlers)\n"
-      "from copc_jax.rollout import jetstream_compat; jetstream_compat.install()\n"
+      "from copc_jax.rollout import jetstream_adapter; jetstream_adapter.install()\n"
       "from jetstream.core import orchestrator, server_lib\n"
       "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
       "assert root.level == level and len(root.handlers) == n, (root.level, root.handlers)\n"
@@ -31,7 +31,7 @@ def test_sentencepiece_vocabulary_refuses_to_build():
 
 
 def test_orchestrator_uses_our_result_processing():
-  assert token_utils.process_result_tokens is jetstream_compat.process_result_tokens
+  assert token_utils.process_result_tokens is jetstream_adapter.process_result_tokens
   assert logging.getLogger().level != logging.DEBUG or logging.getLogger().handlers == []
 
 
@@ -51,12 +51,12 @@ def result(tokens, lengths, logprobs, versions):
 
 def test_result_processing_keeps_logprobs_versions_and_the_stop_token():
   rt = result(np.array([7, 2]), np.array([3, 1]), [-0.5, -1.25], [4, 5])
-  samples, complete = jetstream_compat.process_result_tokens(
+  samples, complete = jetstream_adapter.process_result_tokens(
       _Tokenizer(), slot=1, slot_max_length=10, result_tokens=rt, complete=np.zeros(1, bool),
       is_client_side_tokenization=True)
   assert samples[0].token_ids == [2] and samples[0].logprobs == [-1.25] and samples[0].versions == [5]
   assert samples[0].finish_reason == "stop" and complete.all()
-  samples, complete = jetstream_compat.process_result_tokens(
+  samples, complete = jetstream_adapter.process_result_tokens(
       _Tokenizer(), slot=0, slot_max_length=3, result_tokens=rt, complete=np.zeros(1, bool))
   assert samples[0].token_ids == [7] and samples[0].text == ["h"] and samples[0].finish_reason == "length"
   assert complete.all()
@@ -69,16 +69,16 @@ def test_result_processing_of_several_decode_steps_per_row_stops_where_the_sampl
   data[0, 5] = 2                                   # slot 0: EOS at the second step
   rt = engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
                                samples_per_slot=1)
-  samples, complete = jetstream_compat.process_result_tokens(
+  samples, complete = jetstream_adapter.process_result_tokens(
       _Tokenizer(), slot=0, slot_max_length=10, result_tokens=rt, complete=np.zeros(1, bool),
       is_client_side_tokenization=True)
   assert samples[0].token_ids == [7, 2] and samples[0].finish_reason == "stop" and complete.all()
   assert samples[0].logprobs == pytest.approx([-0.1, -0.2])
-  samples, complete = jetstream_compat.process_result_tokens(
+  samples, complete = jetstream_adapter.process_result_tokens(
       _Tokenizer(), slot=1, slot_max_length=2, result_tokens=rt, complete=np.zeros(1, bool),
       is_client_side_tokenization=True)
   assert samples[0].token_ids == [9, 9] and samples[0].finish_reason == "length" and complete.all()
-  samples, complete = jetstream_compat.process_result_tokens(
+  samples, complete = jetstream_adapter.process_result_tokens(
       _Tokenizer(), slot=1, slot_max_length=10, result_tokens=rt, complete=np.zeros(1, bool),
       is_client_side_tokenization=True)
   assert samples[0].token_ids == [9, 9, 9] and samples[0].finish_reason is None and not complete.any()
@@ -110,7 +110,6 @@ def _driver_in_the_race(driver_class):
   slot 1 (its request finished) and the server is asked to stop (None in the generate backlog)."""
   import queue
 
-  from copc_jax.rollout import server
 
   class Slots(queue.Queue):
     freed = False
@@ -129,16 +128,15 @@ def _driver_in_the_race(driver_class):
   driver._generate_engines, driver._generate_params, driver._generate_slots = [engine], [None], [slots]
   driver._generate_backlogs, driver._detokenize_backlogs = {0: backlog}, [queue.Queue(8)]
   driver._prefill_backlog, driver._transfer_backlogs = queue.Queue(), [queue.Queue(4)]
-  assert server.CopcDriver.__mro__[1] is jetstream_compat.install()[1].Driver
+  assert jetstream_adapter.CopcDriver.__mro__[1] is jetstream_adapter.install()[1].Driver
   return driver, engine
 
 
 def test_the_generate_loop_survives_jetstream_s_slot_race():
-  from copc_jax.rollout import server
-  stock, _ = _driver_in_the_race(jetstream_compat.install()[1].Driver)
+  stock, _ = _driver_in_the_race(jetstream_adapter.install()[1].Driver)
   with pytest.raises(AssertionError, match="must have some requests inserted"):   # what kills a 0.2.2 server
     stock._generate_thread(0)
-  driver, engine = _driver_in_the_race(server.CopcDriver)
+  driver, engine = _driver_in_the_race(jetstream_adapter.CopcDriver)
   assert driver._generate_thread(0) is None        # started over, then stopped when asked
   assert engine.decode_states == 2                  # a fresh decode state after the race
 
@@ -154,17 +152,16 @@ def test_the_generate_loop_runs_at_most_calls_ahead_calls_past_the_detokenizer()
 
   from copc_jax.models import tiny
   from copc_jax.models.decoder import Decoder
-  from copc_jax.rollout import server
-  from copc_jax.rollout.engine import CopcEngine
+  from copc_jax.rollout.jetstream_adapter import CopcEngine
 
   engine = CopcEngine(Decoder(tiny.tiny_config("qwen2"), rngs=nnx.Rngs(0)), max_concurrent_decodes=2,
                       max_prefill_length=16, max_length=32)
   store = engine.load_params()
   with pytest.raises(ValueError, match="calls_ahead must be >= 1; got 0"):
-    server.CopcDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[store],
-                      generate_params=[store], calls_ahead=0)
-  driver = server.CopcDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[store],
-                             generate_params=[store], interleaved_mode=True)
+    jetstream_adapter.CopcDriver(prefill_engines=[engine], generate_engines=[engine],
+                                 prefill_params=[store], generate_params=[store], calls_ahead=0)
+  driver = jetstream_adapter.CopcDriver(prefill_engines=[engine], generate_engines=[engine],
+                                        prefill_params=[store], generate_params=[store], interleaved_mode=True)
   driver.stop()
   assert [b.maxsize for b in driver._detokenize_backlogs] == [2]
 
@@ -183,7 +180,7 @@ def test_the_generate_loop_runs_at_most_calls_ahead_calls_past_the_detokenizer()
         self.blocked.set()
       super().put(item, block, timeout)
 
-  stalled, _ = _driver_in_the_race(server.CopcDriver)
+  stalled, _ = _driver_in_the_race(jetstream_adapter.CopcDriver)
   stalled._generate_engines = [Counting()]
   stalled._generate_slots[0].get()                    # no free slot: the loop only generates
   backlog = Backlog(driver._detokenize_backlogs[0].maxsize)
