@@ -18,10 +18,9 @@ from copc_jax import presets
 from copc_jax.envs.tasks import TaskConfig
 from copc_jax.losses import ActorLossConfig, ValueLossConfig
 from copc_jax.presets import EstimatorConfig
+from copc_jax.rollout.config import RolloutConfig
 from copc_jax.sharding import ShardingConfig
-from copc_jax.train.rollouts import RolloutConfig
-from copc_jax.train.trainer import ModelSource, TrainerConfig
-from copc_jax.train.warm_start import WarmStartConfig
+from copc_jax.train.setup import ModelSource, TrainerConfig, WarmStartConfig
 
 JOBS = ("train", "gradient_check")
 

@@ -11,12 +11,14 @@ on EOS, and tokens/s count what was returned); PPO with a critic, 2 epochs of on
 
 Each repeat runs the peer's PPO steps, then copc_jax's phases on the same batch shape:
 rollout (the 8 prompts through one JetStream server over gRPC, `decode_steps` tokens per engine
-call), learner (the jitted train step: π_prox and V forward, estimator, 2 epochs of actor and
-critic updates, `sync_ppo` preset) and weight sync (a push of the learner's weights to the server
-through shared memory). The peer's rollout shares the actor's weights in its process, so it has
-no weight sync. Step = rollout + learner + weight sync on both sides (Tunix's measured step from
-one rollout to the next is reported too). Medians over steps within a repeat, then the median and
-range over repeats; the ratios are copc_jax / peer for throughput, peer / copc_jax for time.
+call; or, `--backend in_process`, through the in-process backend in the learner's process),
+learner (the jitted train step: π_prox and V forward, estimator, 2 epochs of actor and critic
+updates, `sync_ppo` preset) and weight sync (a push of the learner's weights to the server through
+shared memory; in-process: a device copy of the learner's arrays). The peer's rollout shares the
+actor's weights in its process, so it has no weight sync. Step = rollout + learner + weight sync
+on both sides (Tunix's measured step from one rollout to the next is reported too). Medians over
+steps within a repeat, then the median and range over repeats; the ratios are copc_jax / peer for
+throughput, peer / copc_jax for time.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import os
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -34,6 +37,7 @@ from peer import tunix_ppo
 from copc_jax import presets
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import ValueModel
+from copc_jax.rollout.in_process import InProcessBackend
 from copc_jax.rollout.pool import RolloutPool
 from copc_jax.train import Learner, LearnerConfig
 from copc_jax.train.fake_data import random_batch
@@ -41,6 +45,7 @@ from copc_jax.train.weights import WeightStore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "peer.json")
+RESULTS_IN_PROCESS = os.path.join(HERE, "results", "peer_in_process.json")     # --backend in_process
 README = os.path.join(os.path.dirname(HERE), "README.md")
 CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -84,16 +89,22 @@ class Ours:
     prompt_length = max(len(ids) for ids in self.prompt_ids)
     self.batch = random_batch(actor, batch_size=len(prompts), prompt_length=prompt_length,
                               response_length=args.new_tokens, tool_span=0)
-    self.pool = RolloutPool(model_dir, num_servers=1, slots=len(prompts), max_in_flight=len(prompts),
-                            max_prefill_length=32, max_length=128, decode_steps=args.decode_steps)
-    self.weights = WeightStore(os.path.join(directory, "weights"), self.pool, transfer="shm")
+    if args.backend == "in_process":
+      self.pool = InProcessBackend(actor, slots=len(prompts), max_prefill_length=32, max_length=128,
+                                   steps_per_call=args.new_tokens, version=0)
+    else:
+      self.pool = RolloutPool(model_dir, num_servers=1, slots=len(prompts), max_in_flight=len(prompts),
+                              max_prefill_length=32, max_length=128, decode_steps=args.decode_steps)
+    self.weights = WeightStore(os.path.join(directory, "weights"), self.pool,
+                               transfer="arrays" if args.backend == "in_process" else "shm")
     self.version = 0
 
   def one_step(self) -> dict:
     requests = [dict(token_ids=ids, max_tokens=self.args.new_tokens, temperature=1.0)
                 for ids in self.prompt_ids]
     start = time.perf_counter()
-    outs = self.pool.generate_many(requests, max_workers=len(requests))
+    with ThreadPoolExecutor(len(requests)) as executor:        # one thread per episode, as the trainer
+      outs = list(executor.map(lambda r: self.pool.generate(**r), requests))
     rollout_s = time.perf_counter() - start
     start = time.perf_counter()
     jax.block_until_ready(self.learner.train_step(self.batch)["actor_loss"])
@@ -113,7 +124,8 @@ class Ours:
             "rollout_tokens_per_s": float(np.median([m["rollout_tokens"] / m["rollout_s"] for m in measured]))}
 
   def peak_gib(self) -> dict:
-    server = max(s.report["memory"]["peak_resident_bytes"] for s in self.pool.status()) / 2**30
+    server = max((s.report.get("memory", {}).get("peak_resident_bytes", 0) for s in self.pool.status()),
+                 default=0) / 2**30
     return {"learner_process": tunix_ppo.peak_rss_gib(), "server": server}
 
   def close(self) -> None:
@@ -149,12 +161,15 @@ LABELS = {"rollout_tokens_per_s": "rollout tokens/s", "learner_tokens_per_s": "l
 
 
 def render(results_path: str = RESULTS, readme: str = README) -> str:
-  """The README's side-by-side table, from the benchmark's JSON."""
+  """The README's side-by-side table, from the benchmark's JSON (marker `peer`, or `peer_in_process`
+  for a run with `--backend in_process`)."""
   import study
   with open(results_path) as f:
     r = json.load(f)
   s = r["summary"]
-  lines = [f"Tunix {r['peer']['version']} (jax {r['peer']['jax']}) and copc_jax on one random "
+  backend = r.get("backend", "jetstream")
+  lines = [f"copc_jax's rollout backend: {backend}. Tunix {r['peer']['version']} (jax {r['peer']['jax']}) "
+           f"and copc_jax on one random "
            f"{r['parameters'] / 1e6:.2f}M-parameter Qwen2-style model, {r['prompts']} prompts of "
            f"{r['prompt_length']} tokens, {r['new_tokens']} new tokens, PPO with a critic, {r['epochs']} "
            f"epochs; {r['repeats_run']} alternating repeats of {r['steps']} steps after {r['warmup']} warm-up "
@@ -172,7 +187,7 @@ def render(results_path: str = RESULTS, readme: str = README) -> str:
             f"memory: copc_jax's learner process {m['copc_jax_learner_process']:.2f} GiB and its server "
             f"{m['copc_jax_server']:.2f} GiB; Tunix's one process {m['peer']:.2f} GiB."]
   text = "\n".join(lines)
-  study.write_between_markers(readme, "peer", text)
+  study.write_between_markers(readme, "peer" if backend == "jetstream" else "peer_in_process", text)
   return text
 
 
@@ -187,11 +202,15 @@ def main():
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--epochs", type=int, default=2)
   parser.add_argument("--decode-steps", type=int, default=1, help="tokens per slot per engine call (ours)")
+  parser.add_argument("--backend", choices=("jetstream", "in_process"), default="jetstream",
+                      help="our rollout backend (in_process: no server; weights as arrays)")
   parser.add_argument("--out", help="also write the numbers here (JSON, with provenance)")
   parser.add_argument("--render", action="store_true", help="only rewrite the README table from " + RESULTS)
   args = parser.parse_args()
   if args.render:
     print(render())
+    if os.path.exists(RESULTS_IN_PROCESS):
+      print(render(RESULTS_IN_PROCESS))
     return
   if not args.peer_python:
     parser.error("--peer-python is required: the Python of an environment made from "
@@ -225,7 +244,8 @@ def main():
         "description": __doc__.splitlines()[0], "parameters": int(parameters), "prompts": args.prompts,
         "prompt_length": args.prompt_length, "new_tokens": args.new_tokens, "epochs": args.epochs,
         "steps": args.steps, "warmup": args.warmup, "repeats_run": args.repeats,
-        "decode_steps": args.decode_steps, "peer": {k: peer_side[0][k] for k in ("library", "version", "jax")},
+        "decode_steps": args.decode_steps, "backend": args.backend,
+        "peer": {k: peer_side[0][k] for k in ("library", "version", "jax")},
         "peak_memory_gib": {"copc_jax_learner_process": peaks["learner_process"],
                             "copc_jax_server": peaks["server"],
                             "peer": max(p["peak_rss_gib"] for p in peer_side)},

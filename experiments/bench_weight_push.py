@@ -40,9 +40,10 @@ from copc_jax.models.decoder import Decoder  # noqa: E402
 from copc_jax.rollout import auth
 from copc_jax.rollout.pool import RolloutPool  # noqa: E402
 from copc_jax.rollout.process import ServerProcess  # noqa: E402
-from copc_jax.train.rollouts import POOL_TRANSFER, TRANSFERS  # noqa: E402
+from copc_jax.rollout.protocol import WEIGHT_TRANSFERS  # noqa: E402
 from copc_jax.train.weights import WeightStore, shared_memory_directory  # noqa: E402
 
+TRANSFERS = tuple(WEIGHT_TRANSFERS)
 LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "learner.json")
 
 
@@ -51,7 +52,7 @@ def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, fi
   """Seconds of `rounds` pushes of new versions through the trainer's WeightStore (the first push of a
   pool is not timed: it resets the servers)."""
   times = []
-  with RolloutPool(addresses=addresses, weight_transfer=POOL_TRANSFER[transfer], token=token) as pool:
+  with RolloutPool(addresses=addresses, token=token) as pool:
     store = WeightStore(os.path.join(directory, transfer), pool, transfer=transfer)
     for i in range(rounds + 1):
       start = time.perf_counter()

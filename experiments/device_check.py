@@ -39,7 +39,7 @@ from copc_jax.models.config import ModelConfig  # noqa: E402
 from copc_jax.models.decoder import Decoder, ValueModel  # noqa: E402
 from copc_jax.train import Learner, LearnerConfig  # noqa: E402
 from copc_jax.train.fake_data import random_batch  # noqa: E402
-from copc_jax.train.trainer import ModelSource  # noqa: E402
+from copc_jax.train.setup import ModelSource  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "device_check.json")
 

@@ -53,7 +53,7 @@ from copc_jax.models.decoder import Decoder, KVCache, ValueModel  # noqa: E402
 from copc_jax.rollout import engine  # noqa: E402
 from copc_jax.rollout.engine import SERVING_RULES  # noqa: E402
 from copc_jax.train import learner as learner_lib  # noqa: E402
-from copc_jax.train import trainer  # noqa: E402
+from copc_jax.train import setup  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "tpu_fit.json")
 GIB = 2**30
@@ -143,7 +143,7 @@ def compile_learner(typed, architecture: ModelConfig, devices) -> object:
     actor = Decoder(architecture, rngs=nnx.Rngs(0), **options)
     return actor, ValueModel.from_policy(actor, rngs=nnx.Rngs(1))
 
-  lowered = learner_lib.lower_train_step(make_models, trainer.learner_config(typed), mesh, typed.sharding.rules,
+  lowered = learner_lib.lower_train_step(make_models, setup.learner_config(typed), mesh, typed.sharding.rules,
                                          batch_size=typed.trainer.batch_size, length=typed.rollout.max_length)
   return lowered.compile()
 

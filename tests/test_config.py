@@ -136,3 +136,19 @@ def test_sync_ppo_refuses_every_mode_but_sync():
       config_lib.from_config_dict(raw)
   with pytest.raises(ValueError, match="preset 'sync_ppo' is defined by staleness 0"):
     config_lib.from_config_dict(staleness_sweep.get_config("sync_ppo,16"))
+
+
+def test_loading_a_config_imports_neither_the_trainer_nor_grpc_nor_jetstream():
+  """A config (every section validated) loads with the settings' own modules: no import climbs into
+  the trainer, and nothing pulls the rollout servers' stack."""
+  code = ("import sys\n"
+          "from configs import default, search\n"
+          "from copc_jax import config\n"
+          "for module in (default, search):\n"
+          "  config.from_config_dict(module.get_config())\n"
+          "loaded = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'jetstream')\n"
+          "          or m in ('copc_jax.train.trainer', 'copc_jax.rollout.pool', 'copc_jax.rollout.server')]\n"
+          "print(loaded)\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -1,4 +1,4 @@
-"""Multi-turn tool-use episodes over token ids (no re-tokenisation), and their learner batch.
+"""Multi-turn tool-use episodes over token ids (no re-tokenisation).
 
 One episode: generate until the tool-call stop sequence (or EOS / the token
 limit), hand the turn's tokens to the tool, append the tool's output tokens
@@ -11,10 +11,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from copc_jax.rollout.protocol import Generation
-from copc_jax.train.batch import TrajectoryBatch
 
 GenerateFn = Callable[..., Generation]      # (token_ids, max_tokens, **sampling) -> Generation
 ToolFn = Callable[[list[int]], list[int]]   # the turn's generated tokens -> tool output tokens
@@ -133,35 +130,3 @@ def continue_episode(generate: GenerateFn, trajectory: Trajectory, *, tool: Tool
     turn += 1
   trajectory.finish_reason = "max_turns"
   return trajectory
-
-
-def to_batch(trajectories: Sequence[Trajectory], length: int | None = None,
-             group_ids: Sequence[int] | None = None) -> TrajectoryBatch:
-  """Right-padded learner batch; each trajectory's reward sits on its last generated token.
-  `group_ids`: the prompt group of each trajectory (default: each its own)."""
-  length = length or max(len(t.context) for t in trajectories)
-  b = len(trajectories)
-  tokens = np.zeros((b, length), np.int32)
-  attention_mask = np.zeros((b, length), bool)
-  mask = np.zeros((b, length), bool)
-  logprobs = np.zeros((b, length), np.float32)
-  versions = np.zeros((b, length), np.int32)
-  rewards = np.zeros((b, length), np.float32)
-  for i, t in enumerate(trajectories):
-    n, p = len(t.context), len(t.prompt_ids)
-    if n > length:
-      raise ValueError(f"trajectory {i} has {n} tokens; the batch length is {length}")
-    tokens[i, :n] = t.context
-    attention_mask[i, :n] = True
-    mask[i, p:n] = t.mask
-    logprobs[i, p:n] = t.logprobs
-    versions[i, p:n] = t.versions
-    generated = np.nonzero(mask[i])[0]
-    if len(generated):
-      rewards[i, generated[-1]] = t.reward
-  group_ids = np.arange(b) if group_ids is None else np.asarray(group_ids)
-  if group_ids.shape != (b,):
-    raise ValueError(f"group_ids must have one id per trajectory ({b}); got shape {group_ids.shape}")
-  return TrajectoryBatch(tokens=tokens, attention_mask=attention_mask, mask=mask,
-                         behavior_logprobs=logprobs, versions=versions, rewards=rewards,
-                         group_ids=np.broadcast_to(group_ids.astype(np.int32)[:, None], (b, length)).copy())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -18,7 +19,7 @@ class TrajectoryBatch:
   versions:          int32 [B, T]  weights version that sampled y_t
   rewards:           float [B, T]  reward received after y_t
   group_ids:         int32 [B, T]  the prompt group of the row (n samples per prompt), on every
-                                   position of the row; (`agent.to_batch`: each row its own
+                                   position of the row; (`from_episodes`: each row its own
                                    group unless given)
   """
 
@@ -29,6 +30,38 @@ class TrajectoryBatch:
   versions: jax.Array
   rewards: jax.Array
   group_ids: jax.Array
+
+  @classmethod
+  def from_episodes(cls, trajectories, length: int | None = None, group_ids=None) -> TrajectoryBatch:
+    """Right-padded batch of `trajectories` (`rollout.agent.Trajectory`: an episode's tokens, mask, log μ
+    and versions); each trajectory's reward sits on its last generated token. `group_ids`: the prompt
+    group of each trajectory (default: each its own)."""
+    length = length or max(len(t.context) for t in trajectories)
+    b = len(trajectories)
+    tokens = np.zeros((b, length), np.int32)
+    attention_mask = np.zeros((b, length), bool)
+    mask = np.zeros((b, length), bool)
+    logprobs = np.zeros((b, length), np.float32)
+    versions = np.zeros((b, length), np.int32)
+    rewards = np.zeros((b, length), np.float32)
+    for i, t in enumerate(trajectories):
+      n, p = len(t.context), len(t.prompt_ids)
+      if n > length:
+        raise ValueError(f"trajectory {i} has {n} tokens; the batch length is {length}")
+      tokens[i, :n] = t.context
+      attention_mask[i, :n] = True
+      mask[i, p:n] = t.mask
+      logprobs[i, p:n] = t.logprobs
+      versions[i, p:n] = t.versions
+      generated = np.nonzero(mask[i])[0]
+      if len(generated):
+        rewards[i, generated[-1]] = t.reward
+    group_ids = np.arange(b) if group_ids is None else np.asarray(group_ids)
+    if group_ids.shape != (b,):
+      raise ValueError(f"group_ids must have one id per trajectory ({b}); got shape {group_ids.shape}")
+    return cls(tokens=tokens, attention_mask=attention_mask, mask=mask, behavior_logprobs=logprobs,
+               versions=versions, rewards=rewards,
+               group_ids=np.broadcast_to(group_ids.astype(np.int32)[:, None], (b, length)).copy())
 
   def validate(self) -> None:
     shape = self.tokens.shape

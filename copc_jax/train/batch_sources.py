@@ -22,7 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from copc_jax.models.decoder import Decoder
-from copc_jax.train import rollouts
+from copc_jax.train.episodes import (
+  AsyncCollector,
+  Episode,
+  EpisodeRunner,
+  PromptSource,
+  units_from_json,
+  units_to_json,
+)
+from copc_jax.train.episodes import collect as collect_episodes
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 from copc_jax.train.timing import PhaseTimer
 from copc_jax.train.weights import WeightStore
@@ -31,7 +39,7 @@ from copc_jax.train.weights import WeightStore
 class SyncSource:
   """sync: push version v, then generate the batch of update v with it."""
 
-  def __init__(self, runner: rollouts.EpisodeRunner, prompts: rollouts.PromptSource, weights: WeightStore,
+  def __init__(self, runner: EpisodeRunner, prompts: PromptSource, weights: WeightStore,
                actor: Callable[[], Decoder], timer: PhaseTimer, *, batch_size: int, workers: int):
     self.runner, self.prompts, self.weights, self.actor, self.timer = runner, prompts, weights, actor, timer
     self.batch_size, self.workers = batch_size, workers
@@ -42,11 +50,11 @@ class SyncSource:
   def start(self, step: int) -> None:
     pass
 
-  def next_batch(self, step: int) -> list[rollouts.Episode]:
+  def next_batch(self, step: int) -> list[Episode]:
     version = self.version_for(step)
     with self.timer("weight_sync_s"):
       self.weights.push(version, self.actor() if version == step else None)
-    return rollouts.collect(self.runner, self.prompts.take(self.batch_size), self.workers)
+    return collect_episodes(self.runner, self.prompts.take(self.batch_size), self.workers)
 
   def after_update(self, step: int) -> None:
     pass
@@ -106,16 +114,16 @@ class AsyncSource(SyncSource):
     super().__init__(*args, **kwargs)
     self.sync_every = sync_every
     self.buffer = TrajectoryBuffer(max_staleness)
-    for unit, oldest in rollouts.units_from_json(buffered):
+    for unit, oldest in units_from_json(buffered):
       self.buffer.put(unit, oldest)
     self.max_staleness = max_staleness
-    self.collector: rollouts.AsyncCollector | None = None
+    self.collector: AsyncCollector | None = None
 
   def start(self, step: int) -> None:
     admission = AdmissionControl(self.max_staleness, self.units, learner_version=step,
                                  pending=len(self.buffer))
     self.weights.push(step, self.actor())
-    self.collector = rollouts.AsyncCollector(self.runner, self.prompts, admission, self.buffer,
+    self.collector = AsyncCollector(self.runner, self.prompts, admission, self.buffer,
                                              workers=self.workers, weights_version=lambda: self.weights.served)
     self.collector.start()
 
@@ -124,7 +132,7 @@ class AsyncSource(SyncSource):
     """Groups per batch: the async unit (one episode without groups)."""
     return self.batch_size // self.prompts.group_size
 
-  def next_batch(self, step: int) -> list[rollouts.Episode]:
+  def next_batch(self, step: int) -> list[Episode]:
     return [episode for unit in self.collector.take(self.units, step)[0] for episode in unit]
 
   def after_update(self, step: int) -> None:
@@ -138,7 +146,7 @@ class AsyncSource(SyncSource):
 
   def state(self) -> dict:
     if self.collector is None:
-      return {"data": self.prompts.state(), "buffer": rollouts.units_to_json(self.buffer.items())}
+      return {"data": self.prompts.state(), "buffer": units_to_json(self.buffer.items())}
     return self.collector.state()
 
   def request_stop(self) -> None:

@@ -32,10 +32,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -43,23 +41,24 @@ from copc_jax import sharding
 from copc_jax.envs import data
 from copc_jax.envs.tasks import make_task
 from copc_jax.models import hf_io, tiny
-from copc_jax.models.attention import check_implementation
-from copc_jax.models.decoder import ValueModel, remat_policy_name
+from copc_jax.models.decoder import ValueModel
 from copc_jax.rollout import auth
-from copc_jax.rollout.agent import to_batch
 from copc_jax.rollout.in_process import InProcessBackend
 from copc_jax.rollout.pool import PoolExhausted, RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend
-from copc_jax.train import checkpoint, multihost, rollouts, server_check, warm_start
+from copc_jax.train import checkpoint, multihost, server_check, warm_start
 from copc_jax.train import workdir as workdir_lib
-from copc_jax.train.batch import padded_length
+from copc_jax.train.batch import TrajectoryBatch, padded_length
 from copc_jax.train.batch_sources import make_batch_source
-from copc_jax.train.learner import Learner, LearnerConfig, OptimizerConfig
-from copc_jax.train.metrics import TRACKERS, MetricsLogger, read_metrics, update_rows
+from copc_jax.train.episodes import Episode, EpisodeRunner, PromptSource, group_id
+from copc_jax.train.episodes import collect as collect_episodes
+from copc_jax.train.evaluator import Evaluator
+from copc_jax.train.learner import Learner
+from copc_jax.train.metrics import MetricsLogger, read_metrics, update_rows
+from copc_jax.train.setup import learner_config
 from copc_jax.train.timing import PhaseTimer
 from copc_jax.train.weights import IN_PROCESS, WeightStore
 
-MODES = ("sync", "async", "lag")
 STEP_PHASES = ("rollout_wait_s", "train_s", "weight_sync_s")    # they add up to step_time_s
 MUST_BE_FINITE = ("actor_loss", "value_loss", "grad_norm", "critic_grad_norm")
 # Row name → the learner's metric (what moves before a failure is kept in every row).
@@ -75,120 +74,6 @@ ROW_METRICS = {
     "entropy": "entropy", "nonfinite_count": "nonfinite_count", "kl_ref": "kl_ref",
     "actor_update_norm": "actor_update_norm",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-  checkpoint: str = "tiny"      # a Hugging Face directory (config.json + safetensors), or "tiny"
-  tiny_arch: str = "qwen2"      # for "tiny": built in the workdir from the seed
-  tokenizer: str = ""           # a directory with tokenizer files; "" = the checkpoint's own
-  # How the learner's models compute (models/decoder.py): "auto" = bfloat16 on accelerators,
-  # float32 on the CPU; master weights in param_dtype.
-  dtype: str = "auto"
-  param_dtype: str = "float32"
-  remat: str = "none"           # none | full | dots | dots_saveable
-  scan_layers: bool = False     # one lax.scan over the blocks: compile time independent of depth
-  attention: str = "auto"       # auto (splash on TPU, xla elsewhere) | reference | xla | cudnn | splash
-
-  def __post_init__(self):
-    if self.tiny_arch not in ("qwen2", "qwen3", "llama"):
-      raise ValueError(f"tiny_arch must be 'qwen2', 'qwen3' or 'llama'; got {self.tiny_arch!r}")
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"model.{name} must be 'auto', 'float32' or 'bfloat16'; got {getattr(self, name)!r}")
-    remat_policy_name(self.remat)
-    if self.attention != "auto":
-      check_implementation(self.attention)
-
-  def compute_options(self, platform: str | None = None) -> dict:
-    """The keyword arguments of `Decoder` / `hf_io.from_pretrained` on `platform` (default: jax's)."""
-    platform = platform or jax.default_backend()
-    pick = lambda value, on_cpu, elsewhere: value if value != "auto" else (on_cpu if platform == "cpu"
-                                                                           else elsewhere)
-    attention = pick(self.attention, "reference", "splash" if platform == "tpu" else "xla")
-    return dict(dtype=jnp.dtype(pick(self.dtype, "float32", "bfloat16")),
-                param_dtype=jnp.dtype("float32" if self.param_dtype == "auto" else self.param_dtype),
-                remat=self.remat, scan_layers=self.scan_layers, attention=attention)
-
-
-def learner_config(config) -> LearnerConfig:
-  """The learner's settings from the typed job config (method, optimizers, minibatches, sampling)."""
-  c = config.trainer
-  make_opt = lambda lr: OptimizerConfig(learning_rate=lr, max_grad_norm=c.max_grad_norm,
-                                        warmup_steps=c.warmup_steps, name=c.optimizer,
-                                        options=c.optimizer_options)
-  return LearnerConfig(estimator=config.estimator, actor=config.actor, value=config.value,
-                       actor_optimizer=make_opt(c.actor_learning_rate),
-                       critic_optimizer=make_opt(c.critic_learning_rate),
-                       epochs=c.epochs, num_minibatches=c.num_minibatches,
-                       sampling=config.rollout.sampling, logits_chunk=c.logits_chunk,
-                       forward_microbatches=c.forward_microbatches,
-                       gradient_accumulation=c.gradient_accumulation)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-  mode: str = "async"
-  steps: int = 60
-  batch_size: int = 32
-  max_staleness: int = 4         # async: η
-  sync_every: int = 1            # async: push weights every this many updates
-  lag: int = 0                   # lag: k
-  eval_every: int = 20           # 0: evaluate only before and after training
-  checkpoint_every: int = 10
-  epochs: int = 1
-  num_minibatches: int = 4        # updates per batch: the PPO clip binds from the second one on
-  critic_warmup_steps: int = 10   # value-only updates on the start policy's rollouts before the actor moves
-  group_size: int = 1             # samples per prompt (the group presets' baseline needs >= 2)
-  logits_chunk: int = 0           # > 0: log π over this many positions at a time (no [B, T, V] logits)
-  forward_microbatches: int = 1   # the no-gradient passes over the batch in this many row groups
-  gradient_accumulation: int = 1  # each minibatch's gradient summed over this many row groups (same
-                                  # gradient, the activations of one group)
-  pad_to_multiple: int = 0        # > 0: batches padded to their longest row rounded up to this, not to
-                                  # rollout.max_length (one process; several pad to max_length)
-  actor_learning_rate: float = 1e-4
-  critic_learning_rate: float = 1e-3
-  max_grad_norm: float = 1.0
-  warmup_steps: int = 0
-  optimizer: str = "adamw"                            # any optax optimizer, by name ...
-  optimizer_options: tuple[tuple[str, Any], ...] = ()  # ... and its other arguments: (("b2", 0.95),)
-  progress_bar: bool = True
-  trackers: tuple[str, ...] = ("tensorboard",)   # besides metrics.jsonl: "tensorboard", "wandb"
-  wandb_project: str = "copc_jax"
-
-  def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
-    unknown = [t for t in self.trackers if t not in TRACKERS]
-    if unknown:
-      raise ValueError(f"trackers must be among {TRACKERS}; got {tuple(self.trackers)}")
-    for name in ("steps", "batch_size", "sync_every", "checkpoint_every", "epochs", "num_minibatches",
-                 "group_size", "forward_microbatches", "gradient_accumulation"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-    for name in ("max_staleness", "lag", "eval_every", "warmup_steps", "critic_warmup_steps", "pad_to_multiple",
-                 "logits_chunk"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
-    if self.mode == "async" and self.max_staleness < self.sync_every - 1:
-      raise ValueError(f"max_staleness ({self.max_staleness}) must be >= sync_every - 1 "
-                       f"({self.sync_every - 1}): weights pushed every {self.sync_every} updates are that "
-                       f"stale")
-    if self.batch_size % self.group_size:
-      raise ValueError(f"batch_size ({self.batch_size}) must be divisible by group_size ({self.group_size}): "
-                       f"a batch holds whole groups")
-    if self.batch_size % self.num_minibatches:
-      raise ValueError(f"batch_size ({self.batch_size}) must be divisible by num_minibatches "
-                       f"({self.num_minibatches})")
-    if (self.batch_size // self.num_minibatches) % self.gradient_accumulation:
-      raise ValueError(f"a minibatch of {self.batch_size // self.num_minibatches} rows (batch_size / "
-                       f"num_minibatches) must be divisible by gradient_accumulation "
-                       f"({self.gradient_accumulation})")
-    for name in ("actor_learning_rate", "critic_learning_rate", "max_grad_norm"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
-    OptimizerConfig(learning_rate=self.actor_learning_rate, name=self.optimizer,
-                    options=self.optimizer_options)       # an unknown optimizer or option: one line now
 
 
 class TrainingError(RuntimeError):
@@ -378,7 +263,7 @@ class Trainer:
                                  wandb_project=self.cfg.wandb_project,
                                  run_config=json.loads(json.dumps(dataclasses.asdict(self.config),
                                                                   default=str)))
-        runner = rollouts.EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
+        runner = EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
                                         seed=(self.config.seed, jax.process_index()))
         weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
                               pushes=not self.config.rollout.addresses or multihost.is_chief(),
@@ -400,20 +285,20 @@ class Trainer:
         logger.close()
     return self._summary(wall_start)
 
-  def sample_start_policy(self, count: int) -> list[rollouts.Episode]:
+  def sample_start_policy(self, count: int) -> list[Episode]:
     """`count` episodes of the actor as it starts RL, on the first training prompts that fit, sampled
     as training samples them (on its servers, with its tools and rewards); nothing is trained."""
     backend = self.backend_factory()
     try:
       self._check_servers(backend)
-      runner = rollouts.EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
+      runner = EpisodeRunner(backend.generate, self.task, self.tokenizer, self.config.rollout,
                                       seed=(self.config.seed, jax.process_index()))
       weights = WeightStore(os.path.join(self.workdir, "weights"), backend,
                             transfer=self._weight_transfer())
       try:
         weights.push(0, self.learner.actor)
         records = [{**r, "draw": i} for i, r in enumerate(r for r in self.task.train if runner.fits(r))][:count]
-        return rollouts.collect(runner, records, self.config.rollout.concurrency)
+        return collect_episodes(runner, records, self.config.rollout.concurrency)
       finally:
         weights.close()
     finally:
@@ -436,7 +321,7 @@ class Trainer:
     if backend is not None:
       opened.append(backend)
       self._check_servers(backend)
-    eval_runner = rollouts.EpisodeRunner(backend.generate if backend else None, self.task, self.tokenizer,
+    eval_runner = EpisodeRunner(backend.generate if backend else None, self.task, self.tokenizer,
                                          self.config.rollout, seed=runner.seed)
     eval_weights = WeightStore(weights.directory, backend, pushes=backend is not None,
                                transfer=weights.transfer)
@@ -497,8 +382,9 @@ class Trainer:
     for i in range(steps):
       with self.timer("weight_sync_s"):
         source.weights.push(0, self.learner.actor)
-      episodes = rollouts.collect(source.runner, source.prompts.take(self.local_batch_size), source.workers)
-      batch = to_batch([e.trajectory for e in episodes], length=self._batch_length(episodes))
+      episodes = collect_episodes(source.runner, source.prompts.take(self.local_batch_size), source.workers)
+      batch = TrajectoryBatch.from_episodes([e.trajectory for e in episodes],
+                                            length=self._batch_length(episodes))
       metrics = jax.device_get(self.learner.critic_step(batch, process_local=True))
       explained.append(float(metrics["value_explained_variance"]))
       logger.write({"step": 0, "critic_warmup_step": i + 1, "value_loss": metrics["value_loss"],
@@ -515,14 +401,14 @@ class Trainer:
                   f"{self.record['critic_warmup']['value_explained_variance']}")
     self._checkpoint(source)        # step 0: a run killed from here on resumes with the same command
 
-  def _prompts(self, runner, saved: dict) -> rollouts.PromptSource:
+  def _prompts(self, runner, saved: dict) -> PromptSource:
     train = [r for r in self.task.train if runner.fits(r)]
     if not train:
       raise TrainingError(f"no training prompt fits config.rollout.max_prefill_length "
                           f"({self.config.rollout.max_prefill_length}); raise it")
     iterator = data.PromptIterator(train, seed=self.config.seed, shard_index=jax.process_index(),
                                    shard_count=self.processes, state=saved.get("iterator"))
-    return rollouts.PromptSource(iterator, saved.get("requeued"), saved.get("draws", 0),
+    return PromptSource(iterator, saved.get("requeued"), saved.get("draws", 0),
                                  group_size=self.cfg.group_size)
 
   def _evaluation_due(self) -> bool:
@@ -544,16 +430,16 @@ class Trainer:
       logger.write({"step": 0, **evaluation})
       logger.note(f"eval accuracy before RL: {evaluation['eval_accuracy']:.3f}")
 
-  def _batch_length(self, episodes: list[rollouts.Episode]) -> int:
+  def _batch_length(self, episodes: list[Episode]) -> int:
     # several processes build one global batch: its rows must have one length everywhere
     multiple = self.cfg.pad_to_multiple if self.processes == 1 else 0
     return padded_length(max(len(e.trajectory.context) for e in episodes), self.config.rollout.max_length,
                          multiple)
 
-  def _train_on(self, episodes: list[rollouts.Episode]) -> dict:
+  def _train_on(self, episodes: list[Episode]) -> dict:
     """One update on this process's episodes (its rows of the global batch); the row of metrics."""
-    batch = to_batch([e.trajectory for e in episodes], length=self._batch_length(episodes),
-                     group_ids=[rollouts.group_id(e.record, jax.process_index()) for e in episodes])
+    batch = TrajectoryBatch.from_episodes([e.trajectory for e in episodes], length=self._batch_length(episodes),
+                     group_ids=[group_id(e.record, jax.process_index()) for e in episodes])
     metrics = jax.device_get(self.learner.train_step(batch, process_local=True))
     staleness = np.asarray(batch.staleness(self.step))[batch.mask]
     versions = np.asarray(batch.versions)[batch.mask]
@@ -629,24 +515,6 @@ class Trainer:
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     return summary
-
-
-class Evaluator:
-  """Greedy accuracy on the held-out split of the learner's weights at `version` (pushed first)."""
-
-  def __init__(self, runner: rollouts.EpisodeRunner, records: list[dict], weights: WeightStore, workers: int):
-    self.runner, self.records, self.weights, self.workers = runner, records, weights, workers
-
-  def __call__(self, version: int, actor) -> dict:
-    self.weights.push(version, actor)
-    result = {}
-    if multihost.is_chief():
-      episodes = rollouts.collect(self.runner, self.records, self.workers, greedy=True)
-      result = {"eval_accuracy": float(np.mean([e.correct for e in episodes])),
-                "eval_reward": float(np.mean([e.trajectory.reward for e in episodes])),
-                "eval_version": version}
-    multihost.barrier(f"evaluation {version}")     # the others wait here, not inside the next collective
-    return result
 
 
 def _check_finite(row: dict) -> None:

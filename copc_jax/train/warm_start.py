@@ -21,6 +21,7 @@ from copc_jax.models import hf_io
 from copc_jax.sampling import token_logprobs_and_entropy
 from copc_jax.train import checkpoint, multihost
 from copc_jax.train.learner import OptimizerConfig
+from copc_jax.train.setup import WarmStartConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +87,6 @@ class WarmStart:
   def step(self, batch: DemonstrationBatch) -> float:
     return float(self._step(self.actor, self.optimizer, batch.tokens, batch.attention_mask, batch.loss_mask))
 
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-  steps: int = 0                     # 0: no warm start
-  batch_size: int = 32
-  learning_rate: float = 3e-3
-  warmup_steps: int = 20
-
-  def __post_init__(self):
-    if self.steps < 0 or self.batch_size < 1 or self.warmup_steps < 0:
-      raise ValueError(f"need steps >= 0, batch_size >= 1, warmup_steps >= 0; got {self.steps}, "
-                       f"{self.batch_size}, {self.warmup_steps}")
-    if self.learning_rate <= 0:
-      raise ValueError(f"learning_rate must be > 0; got {self.learning_rate}")
 
 
 def _round_up(n: int, multiple: int = 16) -> int:

@@ -84,11 +84,13 @@ def measure_seed(args, seed: int) -> dict:
   """One learner (a lag-max(lags) run of `seed`): per lag, the behaviour episodes and the MC targets."""
   from copc_jax import estimators
   from copc_jax.envs import data
-  from copc_jax.rollout.agent import to_batch
   from copc_jax.rollout.pool import RolloutPool
   from copc_jax.rollout.protocol import WeightUpdate
   from copc_jax.sampling import token_logprobs_and_entropy
-  from copc_jax.train import rollouts, trainer
+  from copc_jax.train import trainer
+  from copc_jax.train.batch import TrajectoryBatch
+  from copc_jax.train.episodes import EpisodeRunner
+  from copc_jax.train.episodes import collect as collect_episodes
   from copc_jax.train.learner import state_values
 
   config, lags = "configs/default.py", sorted(args.lags)
@@ -113,12 +115,12 @@ def measure_seed(args, seed: int) -> dict:
   rows = {}
   with RolloutPool(warm, **pool_args) as behaviour, RolloutPool(warm, **pool_args) as current:
     current.push(WeightUpdate(version, weights(version)))
-    runner_pi = rollouts.EpisodeRunner(current.generate, run.task, run.tokenizer, c, seed=("pi", seed))
+    runner_pi = EpisodeRunner(current.generate, run.task, run.tokenizer, c, seed=("pi", seed))
     for lag in reversed(lags):          # the behaviour server's versions only move forward
       behaviour.push(WeightUpdate(version - lag, weights(version - lag)))
-      runner_mu = rollouts.EpisodeRunner(behaviour.generate, run.task, run.tokenizer, c, seed=("mu", seed, lag))
-      episodes = rollouts.collect(runner_mu, records, c.concurrency)
-      batch = to_batch([e.trajectory for e in episodes], length=c.max_length)
+      runner_mu = EpisodeRunner(behaviour.generate, run.task, run.tokenizer, c, seed=("mu", seed, lag))
+      episodes = collect_episodes(runner_mu, records, c.concurrency)
+      batch = TrajectoryBatch.from_episodes([e.trajectory for e in episodes], length=c.max_length)
       logits = actor(batch.tokens, attention_mask_bt=batch.attention_mask)
       logp_prox, _ = token_logprobs_and_entropy(logits, batch.tokens, c.sampling)
       values = state_values(critic, batch)

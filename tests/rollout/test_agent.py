@@ -6,6 +6,7 @@ from copc_jax.models import hf_io, tiny
 from copc_jax.rollout import agent
 from copc_jax.rollout.client import Generation
 from copc_jax.rollout.process import ServerProcess
+from copc_jax.train.batch import TrajectoryBatch
 
 TOOL_OUTPUT = [60, 61, 62]
 
@@ -30,7 +31,7 @@ def test_episode_structure_with_a_scripted_generator():
   assert t.finish_reason == "stop" and t.num_turns == 2
   assert seen_contexts[1] == [1, 3, 5, 6, 9, 60, 61, 62]      # continues from ids, no re-tokenising
   t.reward = 1.0
-  batch = agent.to_batch([t, agent.Trajectory(prompt_ids=[1])], length=12)
+  batch = TrajectoryBatch.from_episodes([t, agent.Trajectory(prompt_ids=[1])], length=12)
   batch.validate()
   assert batch.rewards[0].nonzero()[0].tolist() == [9] and batch.mask[0, 5:8].tolist() == [False] * 3
   assert batch.behavior_logprobs[0, 2:5].tolist() == [-1.0, -2.0, -3.0]

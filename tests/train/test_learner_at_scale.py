@@ -172,7 +172,7 @@ def test_a_learner_step_with_gradient_accumulation_equals_the_plain_step():
 
 
 def test_gradient_accumulation_that_does_not_divide_the_minibatch_is_refused():
-  from copc_jax.train.trainer import TrainerConfig
+  from copc_jax.train.setup import TrainerConfig
   with pytest.raises(ValueError, match="must be divisible by gradient_accumulation"):
     TrainerConfig(batch_size=32, num_minibatches=4, gradient_accumulation=3)
   with pytest.raises(ValueError, match="gradient_accumulation must be >= 1"):

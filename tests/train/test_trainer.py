@@ -11,6 +11,7 @@ from copc_jax import config as config_lib
 from copc_jax import presets
 from copc_jax.models import tiny
 from copc_jax.train import metrics, trainer
+from copc_jax.train.setup import TrainerConfig
 
 
 def make_config(preset="copc", **sections):
@@ -315,4 +316,4 @@ def test_metrics_go_to_weights_and_biases_offline_and_a_resumed_run_keeps_its_id
 
 def test_an_unknown_tracker_is_refused():
   with pytest.raises(ValueError, match="trackers must be among"):
-    trainer.TrainerConfig(trackers=("mlflow",))
+    TrainerConfig(trackers=("mlflow",))

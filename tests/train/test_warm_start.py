@@ -4,6 +4,7 @@ from flax import nnx
 from copc_jax.envs import math_tool, synthetic_tasks
 from copc_jax.models import tiny
 from copc_jax.models.decoder import Decoder
+from copc_jax.train.setup import WarmStartConfig
 from copc_jax.train.warm_start import WarmStart, encode_demonstrations
 
 
@@ -38,7 +39,7 @@ def test_warm_start_is_deterministic_bit_for_bit(tmp_path):
 
   task = make_task(TaskConfig(name="tool_arithmetic", train_size=32, eval_size=4, system_prompt=False), seed=3)
   tiny.make_tiny_checkpoint(str(tmp_path / "base"), seed=3)
-  config = warm_start.WarmStartConfig(steps=12, batch_size=8, warmup_steps=2)
+  config = WarmStartConfig(steps=12, batch_size=8, warmup_steps=2)
   paths = [warm_start.prepare(task, str(tmp_path / "base"), str(tmp_path / name), config, seed=3, log=print)
            for name in ("a", "b")]
   first, second = (hf_io.read_safetensors(p) for p in paths)

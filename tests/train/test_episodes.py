@@ -5,8 +5,9 @@ from scripted_pool import ScriptedPool
 from copc_jax.envs import data
 from copc_jax.envs.tasks import TaskConfig, make_task
 from copc_jax.models import tiny
+from copc_jax.rollout.config import RolloutConfig
 from copc_jax.rollout.protocol import Generation, WeightUpdate
-from copc_jax.train import rollouts
+from copc_jax.train.episodes import AsyncCollector, Episode, EpisodeRunner, PromptSource
 from copc_jax.train.staleness import AdmissionControl, TrajectoryBuffer
 
 
@@ -34,7 +35,7 @@ def test_an_episode_that_follows_the_demonstration_earns_the_reward(tokenizer, t
     reason = "stop_sequence" if len(calls) == 1 else "stop"
     return Generation(ids, [-0.1] * len(ids), [7] * len(ids), reason)
 
-  runner = rollouts.EpisodeRunner(generate, task, tokenizer, rollouts.RolloutConfig(max_length=128))
+  runner = EpisodeRunner(generate, task, tokenizer, RolloutConfig(max_length=128))
   episode = runner.run(record, greedy=True)
   assert episode.correct and episode.trajectory.reward == 1.0
   assert episode.oldest_version == 7
@@ -49,19 +50,19 @@ def test_an_episode_that_follows_the_demonstration_earns_the_reward(tokenizer, t
 
 def test_episode_json_round_trip(tokenizer, task):
   pool = ScriptedPool(len(tokenizer), tool_call_end=tokenizer.encode("</code>", add_special_tokens=False))
-  runner = rollouts.EpisodeRunner(pool.generate, task, tokenizer, rollouts.RolloutConfig())
+  runner = EpisodeRunner(pool.generate, task, tokenizer, RolloutConfig())
   pool.push(WeightUpdate(0, "unused"))
   episode = runner.run(task.train[0])
-  again = rollouts.Episode.from_json(episode.to_json())
+  again = Episode.from_json(episode.to_json())
   assert again.trajectory == episode.trajectory and again.correct == episode.correct
 
 
 def test_prompt_source_requeues_in_flight_prompts_first(task):
-  source = rollouts.PromptSource(data.PromptIterator(task.train, seed=1))
+  source = PromptSource(data.PromptIterator(task.train, seed=1))
   first = source.take(3)
   state = source.state(in_flight=[first[2]])
   later = source.take(2)
-  resumed = rollouts.PromptSource(data.PromptIterator(task.train, seed=1, state=state["iterator"]),
+  resumed = PromptSource(data.PromptIterator(task.train, seed=1, state=state["iterator"]),
                                   state["requeued"], state["draws"])
   assert resumed.take(3) == [first[2]] + later
   assert [r["draw"] for r in first + later] == [0, 1, 2, 3, 4]   # the sampling key of each episode
@@ -70,13 +71,13 @@ def test_prompt_source_requeues_in_flight_prompts_first(task):
 @pytest.mark.parametrize("max_staleness,sync_every", [(0, 1), (2, 1), (3, 2)])
 def test_async_collection_never_hands_out_stale_episodes(tokenizer, task, max_staleness, sync_every):
   pool = ScriptedPool(len(tokenizer), delay_s=0.01, seed=max_staleness)
-  runner = rollouts.EpisodeRunner(pool.generate, task, tokenizer,
-                                  rollouts.RolloutConfig(max_tokens_per_turn=4, max_turns=1))
+  runner = EpisodeRunner(pool.generate, task, tokenizer,
+                                  RolloutConfig(max_tokens_per_turn=4, max_turns=1))
   batch = 4
   admission = AdmissionControl(max_staleness, batch)
   buffer = TrajectoryBuffer(max_staleness)
   pool.push(WeightUpdate(0, "unused"))
-  collector = rollouts.AsyncCollector(runner, rollouts.PromptSource(data.PromptIterator(task.train)),
+  collector = AsyncCollector(runner, PromptSource(data.PromptIterator(task.train)),
                                       admission, buffer, workers=6, weights_version=lambda: pool.version)
   collector.start()
   seen = []
@@ -104,8 +105,8 @@ def test_async_collector_hands_over_worker_errors(tokenizer, task):
   def broken(*args, **kwargs):
     raise ConnectionError("all servers are gone")
 
-  runner = rollouts.EpisodeRunner(broken, task, tokenizer, rollouts.RolloutConfig())
-  collector = rollouts.AsyncCollector(runner, rollouts.PromptSource(data.PromptIterator(task.train)),
+  runner = EpisodeRunner(broken, task, tokenizer, RolloutConfig())
+  collector = AsyncCollector(runner, PromptSource(data.PromptIterator(task.train)),
                                       AdmissionControl(1, 2), TrajectoryBuffer(1), workers=2,
                                       weights_version=lambda: 0)
   collector.start()
@@ -116,7 +117,7 @@ def test_async_collector_hands_over_worker_errors(tokenizer, task):
 
 
 def test_prompts_that_do_not_fit_are_recognised(tokenizer, task):
-  runner = rollouts.EpisodeRunner(lambda *a, **k: None, task, tokenizer,
-                                  rollouts.RolloutConfig(max_prefill_length=16, max_length=64))
+  runner = EpisodeRunner(lambda *a, **k: None, task, tokenizer,
+                                  RolloutConfig(max_prefill_length=16, max_length=64))
   assert not runner.fits({"question": "x" * 40})
   assert runner.fits({"question": "What is 2 * 3?"})
