@@ -288,6 +288,12 @@ class CopcDriver(orchestrator.Driver):
       with backlog.mutex:
         backlog.maxsize = calls_ahead
 
+  def occupancy(self) -> dict:
+    """Slots decoding a request now, requests waiting for a prefill, and whether the driver runs."""
+    free = sum(q.qsize() for q in self._generate_slots)
+    return {"slots_in_use": sum(e.max_concurrent_decodes for e in self._generate_engines) - free,
+            "queue_length": self._prefill_backlog.qsize(), "live": bool(self.live)}
+
   def _generate_thread(self, idx: int):
     """JetStream's generate loop, started over where 0.2.2 trips on its own race.
 

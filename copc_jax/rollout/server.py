@@ -128,12 +128,10 @@ class RolloutService:
     return {"version": self._engine.store.version}
 
   async def status(self, request, context):
-    driver, engine = self._driver, self._engine
-    free = sum(q.qsize() for q in driver._generate_slots)
+    engine = self._engine
     return {"version": engine.store.version, "max_concurrent_decodes": engine.max_concurrent_decodes,
-            "slots_in_use": engine.max_concurrent_decodes - free,
-            "queue_length": driver._prefill_backlog.qsize(), "live": bool(driver.live),
-            "max_prefill_length": engine.max_prefill_length, "max_length": engine.max_length,
+            **self._driver.occupancy(), "max_prefill_length": engine.max_prefill_length,
+            "max_length": engine.max_length,
             "compilations": dict(engine.trace_counts), "engine_calls": dict(engine.calls),
             "decode_steps": engine.decode_steps, "weight_swaps": dict(self._swaps),
             "mesh": {name: int(size) for name, size in engine.mesh.shape.items()},
