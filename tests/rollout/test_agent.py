@@ -113,7 +113,4 @@ def test_plain_single_turn_generation_without_a_tool_marker(served):
   status = client.status()
   assert all(status["compile_s"][name] > 0 for name in ("prefill", "insert", "generate"))
   assert 0 < status["memory"]["resident_bytes"] <= status["memory"]["peak_resident_bytes"]
-  # The slot is freed when JetStream's detokenize thread sees the end, possibly after the last message.
-  from copc_jax.rollout.pool import wait_until
-  assert wait_until(lambda: client.status()["slots_in_use"] == 0, timeout_s=60)
-  assert (client.status()["queue_length"], status["live"]) == (0, True)
+  assert (status["queue_length"], status["live"]) == (0, True)
