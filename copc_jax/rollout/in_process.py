@@ -136,6 +136,7 @@ class InProcessBackend:
     self._run = jax.jit(self._run_impl, donate_argnums=(1, 2))
     self._pending: queue.Queue[_Request | None] = queue.Queue()
     self._lock = threading.Lock()                 # weight swaps against the driver's reads
+    self._queue_lock = threading.Lock()           # requests against close()
     self._closed = False
     self.calls = {"prefill": 0, "decode": 0}
     self._thread = threading.Thread(target=self._drive, daemon=True, name="in-process-rollouts")
@@ -157,9 +158,10 @@ class InProcessBackend:
     options = SamplingOptions(SamplingParams(parsed.temperature, parsed.top_p, parsed.top_k),
                               parsed.stop_sequences, parsed.seed)
     request = _Request(parsed.token_ids, parsed.max_tokens, options, Future())
-    if self._closed:
-      raise RuntimeError("the in-process backend is closed")
-    self._pending.put(request)
+    with self._queue_lock:          # a request queued ahead of close()'s end marker is answered or failed
+      if self._closed:
+        raise RuntimeError("the in-process backend is closed")
+      self._pending.put(request)
     return request.result.result()
 
   def push(self, update: WeightUpdate) -> None:
@@ -181,10 +183,11 @@ class InProcessBackend:
     return [ServerStatus("in-process", healthy=not self._closed, report=report)]
 
   def close(self) -> None:
-    if self._closed:
-      return
-    self._closed = True
-    self._pending.put(None)
+    with self._queue_lock:
+      if self._closed:
+        return
+      self._closed = True
+      self._pending.put(None)
     self._thread.join(timeout=60)
 
   # --- the driver thread -----------------------------------------------------
@@ -220,10 +223,12 @@ class InProcessBackend:
             request.result.set_result(g)
             del busy[slot]
     except BaseException as err:  # noqa: BLE001 - every waiting caller gets the error, none hangs
-      for request in [*busy.values(), *_drain(self._pending)]:
+      with self._queue_lock:
+        self._closed = True
+        waiting = [*busy.values(), *_drain(self._pending)]
+      for request in waiting:
         if request is not None and not request.result.done():
           request.result.set_exception(err)
-      self._closed = True
 
   def _admit(self, state, control: SlotControl, busy: dict):
     """Prefill waiting requests into free slots (waiting for one while no slot is busy); (state, whether
@@ -242,10 +247,10 @@ class InProcessBackend:
       with self._lock:
         served = self.engine.store.get()
       self.calls["prefill"] += 1
+      busy[slot] = request           # from here on, a failure reaches its caller (`_drive`)
       prefix = self.engine.prefill_prompt(served, padded, len(request.prompt), request.options)
       state = self.engine.insert_prefix(prefix, state, slot)
       _set_slot(control, slot, request)
-      busy[slot] = request
     return state, False
 
 

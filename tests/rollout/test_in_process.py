@@ -120,3 +120,21 @@ def test_a_closed_backend_refuses_requests(checkpoint):
   backend.close()
   with pytest.raises(RuntimeError, match="closed"):
     backend.generate([1, 4], 3)
+
+
+def test_a_failure_in_the_driver_reaches_every_caller_and_closes_the_backend(checkpoint):
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  backend = InProcessBackend(model, slots=2, **LIMITS)
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("the device is gone")
+
+  backend.engine.prefill_prompt = broken
+  with ThreadPoolExecutor(3) as pool:
+    futures = [pool.submit(backend.generate, [1, 4], 3) for _ in range(3)]
+    errors = [f.exception(timeout=120) for f in futures]
+  assert all(isinstance(e, RuntimeError) for e in errors), errors
+  assert any("the device is gone" in str(e) for e in errors)
+  with pytest.raises(RuntimeError, match="closed"):
+    backend.generate([1, 4], 3)
+  backend.close()
