@@ -57,9 +57,12 @@ def test_rollout_benchmark_runs_with_one_server(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert "on-device generation (reference)" in result.stdout
   assert "1 server(s) via gRPC, 4 step(s)" in result.stdout
-  assert result.stdout.count("× reference") == 3
+  assert result.stdout.count("× reference") == 4
   rows = json.loads((tmp_path / "rollout.json").read_text())["rows"]
-  assert [r["path"] for r in rows] == ["on-device reference", "Python loop of the jitted step", "gRPC", "gRPC"]
+  assert [r["path"] for r in rows] == ["on-device reference", "Python loop of the jitted step",
+                                       "in-process backend", "gRPC", "gRPC"]
+  assert rows[2]["steps_per_call"] == 16 and rows[2]["tokens_per_s"] > 0
+  rows = rows[:2] + rows[3:]
   assert rows[0]["vs_reference"] == 1.0 and rows[2]["servers"] == 1 and rows[2]["decode_steps"] == 4
   assert rows[2]["tokens_per_s"] > 0 and len(rows[2]["peak_server_gib"]) == 1
   assert rows[3]["concurrent"] == 6 and rows[3]["servers"] == 1 and rows[3]["tokens_per_s"] > 0
@@ -74,6 +77,7 @@ def test_rollout_benchmark_runs_with_one_server(tmp_path):
   bench_rollout.render(str(tmp_path / "rollout.json"), str(readme))
   text = readme.read_text()
   assert "old" not in text and text.count("| 1 server(s) through gRPC") == 2 and "slot-steps per" in text
+  assert "| in-process backend, 16 decode steps per device call" in text and "the best in-process row" in text
 
 
 def test_loop_cost_script_runs_and_its_recurrence_is_right():
@@ -131,7 +135,14 @@ def test_peer_benchmark_times_our_side_and_its_peer_script_splits_steps(tmp_path
   assert steps[0]["update_s"] == pytest.approx(0.5) and steps[1]["forward_s"] == 0
 
   prompts = bench_peer.write_workload(str(tmp_path), prompts=4, prompt_length=8, hidden=32, layers=1)
-  args = argparse.Namespace(new_tokens=4, epochs=2, decode_steps=1)
+  in_process = bench_peer.Ours(str(tmp_path), prompts, argparse.Namespace(
+      new_tokens=4, epochs=2, decode_steps=1, backend="in_process"))
+  try:
+    side = in_process.run(steps=1, warmup=1)
+  finally:
+    in_process.close()
+  assert 0 < side["rollout_tokens"] <= 4 * 4 and side["weight_sync_s"] > 0    # arrays: no file, no server
+  args = argparse.Namespace(new_tokens=4, epochs=2, decode_steps=1, backend="jetstream")
   ours = bench_peer.Ours(str(tmp_path), prompts, args)
   try:
     mine = ours.run(steps=2, warmup=1)
