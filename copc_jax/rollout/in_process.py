@@ -22,6 +22,7 @@ learner's step, so generation and learning take turns rather than overlap.
 from __future__ import annotations
 
 import dataclasses
+import json
 import queue
 import threading
 from concurrent.futures import Future
@@ -179,7 +180,7 @@ class InProcessBackend:
               "queue_length": self._pending.qsize(),
               "compilations": dict(e.trace_counts), "engine_calls": dict(self.calls),
               "decode_steps": self.steps_per_call, "mesh": {k: int(v) for k, v in e.mesh.shape.items()},
-              "model": _json(dataclasses.asdict(e.config))}
+              "model": json.loads(json.dumps(dataclasses.asdict(e.config)))}     # as a server reports it
     return [ServerStatus("in-process", healthy=not self._closed, report=report)]
 
   def close(self) -> None:
@@ -277,11 +278,3 @@ def _drain(pending: queue.Queue) -> list:
     except queue.Empty:
       return items
 
-
-def _json(value):
-  """Tuples as lists, as a server's JSON Status reports them."""
-  if isinstance(value, dict):
-    return {k: _json(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [_json(v) for v in value]
-  return value
