@@ -26,6 +26,7 @@ class _Watched:
   call: object
   last_message: float
   last_checked: float = 0.0
+  cancelled: bool = False          # cancelled once; its consumer has not torn it down yet
 
 
 class HangDetector:
@@ -37,6 +38,7 @@ class HangDetector:
     self.on_hung, self.stall_timeout_s, self.probe_timeout_s = on_hung, stall_timeout_s, probe_timeout_s
     self.lost_timeout_s = lost_timeout_s
     self.lost = 0
+    self.passes = 0                  # completed passes over the watched calls
     self.interval_s = interval_s
     self._calls: set[_Watched] = set()
     self._lock = threading.Lock()
@@ -73,21 +75,24 @@ class HangDetector:
     while not self._stopped.wait(self.interval_s):
       now = time.monotonic()
       with self._lock:
-        stalled = {id(w.server): w.server for w in self._calls
-                   if now - max(w.last_message, w.last_checked) > self.stall_timeout_s}
+        stalled = {id(w.server): w.server for w in self._calls if not w.cancelled
+                   and now - max(w.last_message, w.last_checked) > self.stall_timeout_s}
       for server in stalled.values():
         hung = not self.responds(server)
         if hung:
           self.on_hung(server)
         with self._lock:
-          for watched in [w for w in self._calls if w.server is server]:
+          for watched in [w for w in self._calls if w.server is server and not w.cancelled]:
             if hung:
+              watched.cancelled = True
               watched.call.cancel()
             elif time.monotonic() - watched.last_message > self.lost_timeout_s:
               self.lost += 1
+              watched.cancelled = True
               watched.call.cancel()                          # lost: resubmitted, the server stays
             else:
               watched.last_checked = time.monotonic()        # slow, not hung: wait another period
+      self.passes += 1
 
   def close(self):
     self._stopped.set()

@@ -79,3 +79,36 @@ def test_a_slow_call_that_finishes_is_left_alone():
   thread.join()
   assert result == [[{"token_ids": [1]}]] and hung == [] and detector.lost == 0
   detector.close()
+
+
+class SlowToNoticeCall(FakeCall):
+  """A stream whose consumer notices a cancel only after `release` is set (a busy machine)."""
+
+  def __init__(self):
+    super().__init__()
+    self.cancels = 0
+
+  def __iter__(self):
+    while not self.released.is_set():
+      self.released.wait(0.01)
+    raise grpc.RpcError("cancelled")
+
+  def cancel(self):
+    self.cancels += 1
+    super().cancel()
+
+
+def test_a_lost_call_is_cancelled_and_counted_once_however_late_its_consumer_notices():
+  detector, hung = make_detector(lost_timeout_s=0.1)
+  server, call = FakeServer(answers=True), SlowToNoticeCall()
+  result = []
+  thread = threading.Thread(target=lambda: result.append(consume(detector, server, call)))
+  thread.start()
+  call.cancelled.wait()
+  seen = detector.passes
+  while detector.passes < seen + 20:  # the detector keeps polling while the consumer lags
+    threading.Event().wait(0.01)
+  call.released.set()
+  thread.join()
+  assert result == ["cancelled"] and call.cancels == 1 and detector.lost == 1 and hung == []
+  detector.close()
