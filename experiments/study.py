@@ -413,6 +413,41 @@ def table(results: dict, cells: list[str] | None = None, reference: str | None =
   return "\n".join(lines)
 
 
+def best_baseline(results: dict, names: list[str]) -> str | None:
+  """Of `names` (cells that ran), the one with the highest mean final accuracy: the bar a method must
+  clear at that setting."""
+  ran = [n for n in names if results["cells"].get(n, {}).get("runs")]
+  return max(ran, key=lambda n: results["cells"][n]["aggregate"]["final_eval_accuracy"]["mean"], default=None)
+
+
+def comparison_table(results: dict, cells: list[str], reference: str, baseline: str | None) -> str:
+  """Markdown: one row per cell, mean ± 95% t interval over seeds, the paired differences against
+  `reference` and against `baseline` (final accuracy), and the collapse count with its two-sided Fisher
+  p against `baseline`'s."""
+  def collapsed(name):
+    runs = results["cells"][name]["runs"].values()
+    return sum(collapse_step(r["eval_curve"]) is not None for r in runs), len(runs)
+
+  b = baseline or "best baseline"
+  lines = [f"| cell | seeds | final accuracy | − {reference} (paired) | − {b} (paired) | AUC | "
+           f"peak → final drop | collapsed | Fisher p vs {b} | mask fraction | ESS |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for name in cells:
+    entry = results["cells"].get(name)
+    if not entry or not entry["runs"]:
+      continue
+    a = entry["aggregate"]
+    against = lambda other: ("–" if other is None or other == name or not results["cells"].get(other, {}).get("runs")
+                             else _fmt(paired_difference(results, name, other)))
+    p = "–"
+    if baseline and baseline != name:
+      p = f"{fisher_collapses(*collapsed(name), *collapsed(baseline)):.2f}"
+    lines.append(f"| {name} | {len(entry['runs'])} | {_fmt(a['final_eval_accuracy'])} | {against(reference)} | "
+                 f"{against(baseline)} | {_fmt(a['auc'])} | {_fmt(a['peak_to_final_drop'])} | "
+                 f"{_collapses(entry)} | {p} | {_fmt(a['mask_fraction_mean'], 4)} | {_fmt(a['ess_mean'])} |")
+  return "\n".join(lines)
+
+
 def curves_figure(results: dict, path: str, groups: dict[str, list[str]]) -> None:
   """Held-out accuracy against updates, mean ± std over seeds, one panel per group of cells."""
   import matplotlib

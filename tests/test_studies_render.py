@@ -23,7 +23,8 @@ def load(study):
 
 
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
-                         + [("presets_across_staleness", "results_full"), ("joint_sweep", "exact"),
+                         + [("presets_across_staleness", "results_full"), ("presets_across_staleness", "results_rerun"),
+                            ("joint_sweep", "exact"),
                             ("joint_sweep", "policy_side")])
 def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)
@@ -164,3 +165,22 @@ def test_the_copc_preset_is_the_setting_the_evidence_picked():
   picked = study.load_config("configs/default.py", module.overrides_of(pick), seed=0)
   default = study.load_config("configs/default.py", {"preset": "copc"}, seed=0)
   assert (default.estimator, default.actor) == (picked.estimator, picked.actor)
+
+
+def test_the_comparison_table_pairs_seeds_against_the_best_baseline():
+  import study
+  run = lambda curve: {"eval_curve": curve, "final_eval_accuracy": curve[-1][1], "auc": 0.5,
+                       "peak_to_final_drop": 0, "updates_to_target": None, "mask_fraction_mean": 0,
+                       "ess_mean": 1, "staleness_mean": 64, "reward_last_10": 0}
+  finals = {"sync_ppo_k0": (0.9, 0.8, 0.7), "a_k64": (0.6, 0.5, 0.4), "b_k64": (0.8, 0.7, 0.6),
+            "copc_k64": (0.1, 0.7, 0.0)}
+  results = {"cells": {}}
+  for name, values in finals.items():
+    runs = {str(s): run([(0, 0.5), (100, 0.9 if v < 0.3 else v), (300, v)]) for s, v in enumerate(values)}
+    results["cells"][name] = {"runs": runs, "aggregate": study.aggregate(runs)}
+  assert study.best_baseline(results, ["a_k64", "b_k64", "missing_k64"]) == "b_k64"
+  table = study.comparison_table(results, list(finals), "sync_ppo_k0", "b_k64").splitlines()
+  copc = next(line for line in table if line.startswith("| copc_k64"))
+  # paired against b: (0.1 − 0.8, 0.7 − 0.7, 0 − 0.6) → mean −0.433; two of three collapsed (0.9 → 0.1, 0.9 → 0)
+  assert "| -0.433 ± " in copc and "| 2/3 (at 300, 300) | 0.40 |" in copc
+  assert next(line for line in table if line.startswith("| b_k64")).count("| – |") == 2

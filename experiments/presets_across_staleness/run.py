@@ -3,6 +3,15 @@
   python experiments/presets_across_staleness/run.py            # default grid, about an hour here
   python experiments/presets_across_staleness/run.py --full     # 6 presets × k ∈ {4, 16, 64}, 3 seeds
   python experiments/presets_across_staleness/run.py --full --cells sync_ppo_k0 copc_k64   # part of it
+  python experiments/presets_across_staleness/run.py --rerun --cells sync_ppo_k0 copc_k64  # the new learner
+
+`--rerun` is the study on the learner as the field runs it (the task config's defaults: 4 minibatches
+per batch, critic warm-up, centred whitening): sync PPO at k = 0, then every preset at k = 64 and 16,
+COPC both as the spec states it and μ-anchored (`actor.anchor=behavior`, the collapse diagnosis's
+stable reading), the group presets at 4 samples per prompt; 4 seeds, 300 updates per run. Its table
+gives 95% t intervals over seeds, paired differences against sync PPO and against the best baseline
+at that lag (the non-COPC cell with the highest mean final accuracy), and Fisher exact tests of the
+collapse counts.
   python experiments/presets_across_staleness/run.py --render   # tables and figures from results.json
 
 Resumable: finished cells are read, not rerun (workdirs under --root). The grid, the seeds and
@@ -27,18 +36,47 @@ CANDIDATES = study.CANDIDATES
 DEFAULT = dict(presets=("async_ppo", "decoupled_ppo", "copc"), lags=(4, 16), seeds=(0, 1, 2), steps=80)
 FULL = dict(presets=("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace", "copc"), lags=(4, 16, 64),
             seeds=(0, 1, 2), steps=300)
+RERUN = dict(presets=("async_ppo", "decoupled_ppo", "copc", "copc_anchor_behavior", "vtrace", "tis", "icepop",
+                      "grpo", "dr_grpo", "rloo"), lags=(64, 16), seeds=(0, 1, 2, 3), steps=300)
+# overrides of a preset that the rerun runs by name (beyond study.CANDIDATES)
+VARIANTS = {"copc_anchor_behavior": {"preset": "copc", "actor.anchor": "behavior"},
+            **{group: {"preset": group, "trainer.group_size": 4} for group in ("grpo", "dr_grpo", "rloo")}}
 
 
 def cells(presets, lags) -> list[study.Cell]:
   grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync"})]
-  grid += [study.Cell(f"{preset}_k{lag}", {**CANDIDATES.get(preset, {"preset": preset}), "trainer.mode": "lag",
+  grid += [study.Cell(f"{preset}_k{lag}", {**CANDIDATES.get(preset, VARIANTS.get(preset, {"preset": preset})), "trainer.mode": "lag",
                                            "trainer.lag": lag})
            for lag in lags for preset in presets]
   return grid
 
 
+def render_rerun(results: dict, here: str = HERE) -> None:
+  """One table per lag (95% intervals, paired differences, exact tests) and the curves figure."""
+  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values() if "trainer.lag" in c["overrides"]},
+                reverse=True)
+  groups, tables = {}, []
+  for lag in lags:
+    names = [n for n, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag]
+    baseline = study.best_baseline(results, [n for n in names if not n.startswith("copc")])
+    groups[f"k = {lag} (sync PPO: k = 0)"] = ["sync_ppo_k0", *names]
+    tables.append(f"**k = {lag}** (best baseline: {baseline or 'none run yet'})\n\n"
+                  + study.comparison_table(results, ["sync_ppo_k0", *names], "sync_ppo_k0", baseline))
+  study.curves_figure(results, os.path.join(here, "curves_rerun.png"), groups)
+  seeds = sorted({int(s) for c in results["cells"].values() for s in c["runs"]})
+  text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "
+          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
+          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. "
+          "Mean ± half-width of the 95% t interval over seeds; paired differences per seed.\n\n"
+          + "\n\n".join(tables) + "\n\n![held-out accuracy curves](curves_rerun.png)")
+  study.write_between_markers(os.path.join(here, "README.md"), "results_rerun", text)
+
+
 def render(results: dict, here: str = HERE, name: str = "results") -> None:
-  """Table and curves into README.md between the `name` markers (`results` or `results_full`)."""
+  """Table and curves into README.md between the `name` markers (`results`, `results_full` or
+  `results_rerun`)."""
+  if name == "results_rerun":
+    return render_rerun(results, here)
   cells = results["cells"].values()
   lags = sorted({c["overrides"]["trainer.lag"] for c in cells if "trainer.lag" in c["overrides"]})
   groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [
@@ -55,17 +93,18 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--full", action="store_true")
+  parser.add_argument("--rerun", action="store_true", help="the study on the new learner (see above)")
   parser.add_argument("--render", action="store_true", help="only render results.json")
   parser.add_argument("--presets", nargs="+", help="extend the grid with these presets (or CANDIDATES) ...")
   parser.add_argument("--lags", type=int, nargs="+", help="... at these lags (default: the grid's)")
   parser.add_argument("--cells", nargs="+", help="run only these cells of the grid (e.g. copc_k64)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_presets_across_staleness"))
   args = parser.parse_args()
-  grid = FULL if args.full else DEFAULT
+  grid = RERUN if args.rerun else FULL if args.full else DEFAULT
   grid_cells = cells(grid["presets"], grid["lags"])
-  unknown = set(args.presets or ()) - set(presets.PRESETS) - set(CANDIDATES)
+  unknown = set(args.presets or ()) - set(presets.PRESETS) - set(CANDIDATES) - set(VARIANTS)
   if unknown:
-    allowed = sorted(presets.PRESETS) + sorted(CANDIDATES)
+    allowed = sorted(presets.PRESETS) + sorted(CANDIDATES) + sorted(VARIANTS)
     parser.error(f"--presets: {sorted(unknown)} unknown; allowed: {allowed}")
   if args.presets:                    # an extension of the same study: same seeds and updates
     grid_cells += [c for c in cells(args.presets, args.lags or grid["lags"]) if c not in grid_cells]
@@ -74,7 +113,7 @@ def main():
     if unknown:
       parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid_cells]}")
     grid_cells = [c for c in grid_cells if c.name in args.cells]
-  name = "results_full" if args.full else "results"
+  name = "results_rerun" if args.rerun else "results_full" if args.full else "results"
   out = os.path.join(HERE, f"{name}.json")
   if args.render:
     import json
