@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from copc_jax import config as config_lib
 from copc_jax import presets, synthetic
-from copc_jax.train import checkpoint, trainer, workdir
+from copc_jax.train import checkpoint, dry_run, trainer, workdir
 from copc_jax.train.workdir import WorkdirError
 
 FLAGS = flags.FLAGS
@@ -150,7 +150,7 @@ def main(argv):
           file=sys.stderr, flush=True)
   try:
     if FLAGS.dry_run_rollouts:
-      trainer.dry_run_rollouts(config, FLAGS.workdir, FLAGS.dry_run_rollouts)
+      dry_run.dry_run_rollouts(config, FLAGS.workdir, FLAGS.dry_run_rollouts)
     elif config.job == "train":
       trainer.run(config, FLAGS.workdir, fresh_start=FLAGS.fresh_start)
     else:

@@ -59,8 +59,8 @@ def run_method(preset, mode, steps, warm_dir, workdir, tool_latency_s, sigma=1.0
   raw.trainer.update(dict(mode=mode, steps=steps, eval_every=0, checkpoint_every=steps, progress_bar=False))
   os.makedirs(workdir)
   shutil.copytree(os.path.join(warm_dir, "base"), os.path.join(workdir, "base"))
-  run = trainer.Trainer(config_lib.from_config_dict(raw), workdir,
-                        actor_checkpoint=warm_start_of(warm_dir, warm_steps, config_name))
+  run = trainer.Trainer(trainer.build(config_lib.from_config_dict(raw), workdir,
+                        actor_checkpoint=warm_start_of(warm_dir, warm_steps, config_name)))
   if tool_latency_s:
     run.task.tool = with_latency(run.task.tool, tool_latency_s, seed=0, sigma=sigma)
   run.run()

@@ -437,8 +437,10 @@ def comparison_table(results: dict, cells: list[str], reference: str, baseline: 
     if not entry or not entry["runs"]:
       continue
     a = entry["aggregate"]
-    against = lambda other: ("–" if other is None or other == name or not results["cells"].get(other, {}).get("runs")
-                             else _fmt(paired_difference(results, name, other)))
+    def against(other, name=name):
+      ran = other is not None and other != name and results["cells"].get(other, {}).get("runs")
+      return _fmt(paired_difference(results, name, other)) if ran else "–"
+
     p = "–"
     if baseline and baseline != name:
       p = f"{fisher_collapses(*collapsed(name), *collapsed(baseline)):.2f}"

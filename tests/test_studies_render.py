@@ -23,8 +23,8 @@ def load(study):
 
 
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
-                         + [("presets_across_staleness", "results_full"), ("presets_across_staleness", "results_rerun"),
-                            ("joint_sweep", "exact"),
+                         + [("presets_across_staleness", "results_full"),
+                            ("presets_across_staleness", "results_rerun"), ("joint_sweep", "exact"),
                             ("joint_sweep", "policy_side")])
 def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)

@@ -25,10 +25,52 @@ import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
 
+from copc_jax.train import multihost
+
 TRACKERS = ("tensorboard", "wandb")
 REQUIRED_KEYS = ("step", "reward_mean", "response_len_mean", "staleness_mean", "staleness_max",
                  "mask_fraction", "clip_fraction", "ess", "value_loss", "grad_norm", "step_time_s",
                  "rollout_wait_s", "train_s", "weight_sync_s")
+
+
+STEP_PHASES = ("rollout_wait_s", "train_s", "weight_sync_s")    # they add up to step_time_s
+# Row name → the learner's metric (what moves before a failure is kept in every row).
+ROW_METRICS = {
+    "mask_fraction": "masked_fraction", "clip_fraction": "clip_fraction", "ess": "ess",
+    "value_loss": "value_loss", "value_explained_variance": "value_explained_variance",
+    "grad_norm": "actor_grad_norm", "critic_grad_norm": "critic_grad_norm", "actor_loss": "actor_loss",
+    "ratio_mean": "ratio_mean", "ratio_max": "ratio_batch_max", "ratio_min": "ratio_batch_min",
+    "ratio_p99": "ratio_batch_p99", "advantage_std": "advantage_std",
+    "advantage_raw_mean": "advantage_raw_mean", "advantage_raw_std": "advantage_raw_std",
+    "advantage_raw_min": "advantage_raw_min", "advantage_raw_max": "advantage_raw_max",
+    "returns_mean": "returns_mean", "kl_behavior": "kl_behavior_prox", "kl_behavior_theta": "kl_behavior",
+    "entropy": "entropy", "nonfinite_count": "nonfinite_count", "kl_ref": "kl_ref",
+    "actor_update_norm": "actor_update_norm",
+}
+
+
+def update_row(version: int, episodes: list, batch, learner_metrics: dict, *, mode: str) -> dict:
+  """The row of the update from weights `version` to `version + 1`: the episodes' rewards, lengths and
+  turns over every learner process, the batch's staleness, and the learner's metrics under their row
+  names (`ROW_METRICS`). Lag mode's first k updates train on data of version 0 only (the start
+  policy's): `inside_first_lag` says so."""
+  staleness = np.asarray(batch.staleness(version))[batch.mask]
+  versions = np.asarray(batch.versions)[batch.mask]
+  lengths = [sum(e.trajectory.mask) for e in episodes]       # tokens the policy wrote, per episode
+  n, reward, correct, length, turns, stale_sum, stale_count = multihost.sum_over_processes([
+      len(episodes), sum(e.trajectory.reward for e in episodes), sum(e.correct for e in episodes),
+      sum(lengths), sum(e.trajectory.num_turns for e in episodes), staleness.sum(), staleness.size])
+  newest_version = int(multihost.max_over_processes(float(versions.max()) if versions.size else 0.0))
+  return {
+      "step": version + 1, "weights_version": version + 1,
+      "reward_mean": reward / n, "accuracy": correct / n, "response_len_mean": length / n,
+      "response_len_max": int(multihost.max_over_processes(float(max(lengths, default=0)))),
+      "turns_mean": turns / n,
+      "staleness_mean": stale_sum / max(stale_count, 1),
+      "staleness_max": int(multihost.max_over_processes(float(staleness.max()) if staleness.size else 0.0)),
+      "data_version_max": newest_version, "inside_first_lag": mode == "lag" and newest_version == 0,
+      **{name: learner_metrics[key] for name, key in ROW_METRICS.items() if key in learner_metrics},
+  }
 
 
 def read_metrics(workdir: str) -> list[dict]:

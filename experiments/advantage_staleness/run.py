@@ -102,7 +102,7 @@ def measure_seed(args, seed: int) -> dict:
     print(f"seed {seed}: training {args.updates} updates at lag {max(lags)}...", flush=True)
     study.run_cell(config, overrides, seed, train_dir, warm)
   typed = study.load_config(config, {**overrides, "model.checkpoint": warm, "warm_start.steps": 0}, seed)
-  run = trainer.Trainer(typed, train_dir)              # restores the learner at version U
+  run = trainer.Trainer(trainer.build(typed, train_dir))              # restores the learner at version U
   version = run.step
   actor, critic = run.learner.actor, run.learner.critic
   c = typed.rollout

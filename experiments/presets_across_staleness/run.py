@@ -45,16 +45,16 @@ VARIANTS = {"copc_anchor_behavior": {"preset": "copc", "actor.anchor": "behavior
 
 def cells(presets, lags) -> list[study.Cell]:
   grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync"})]
-  grid += [study.Cell(f"{preset}_k{lag}", {**CANDIDATES.get(preset, VARIANTS.get(preset, {"preset": preset})), "trainer.mode": "lag",
-                                           "trainer.lag": lag})
+  named = lambda preset: CANDIDATES.get(preset, VARIANTS.get(preset, {"preset": preset}))
+  grid += [study.Cell(f"{preset}_k{lag}", {**named(preset), "trainer.mode": "lag", "trainer.lag": lag})
            for lag in lags for preset in presets]
   return grid
 
 
 def render_rerun(results: dict, here: str = HERE) -> None:
   """One table per lag (95% intervals, paired differences, exact tests) and the curves figure."""
-  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values() if "trainer.lag" in c["overrides"]},
-                reverse=True)
+  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()
+                 if "trainer.lag" in c["overrides"]}, reverse=True)
   groups, tables = {}, []
   for lag in lags:
     names = [n for n, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag]

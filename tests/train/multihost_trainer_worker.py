@@ -41,7 +41,7 @@ if __name__ == "__main__":
       pools.append(FailingPool(len(tiny.make_tokenizer()), fail_after=after))
       return pools[-1]
   try:
-    summary = trainer.Trainer(config, workdir, backend_factory=factory).run()
+    summary = trainer.Trainer(trainer.build(config, workdir, backend_factory=factory)).run()
   except trainer.TrainingError as err:
     print("STOPPED " + str(err).replace("\n", " "), flush=True)
     os._exit(3)        # the other process waits in a collective; do not wait for it at exit

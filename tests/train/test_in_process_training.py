@@ -11,7 +11,7 @@ from copc_jax.train import metrics, trainer
 def test_in_process_rollouts_train_with_exact_versions(tmp_path, mode):
   config = make_config(rollout=dict(backend="in_process", in_process_steps=8),
                        trainer=dict(mode=mode, lag=2, steps=3, eval_every=3, checkpoint_every=100))
-  summary = trainer.Trainer(config, str(tmp_path)).run()
+  summary = trainer.Trainer(trainer.build(config, str(tmp_path))).run()
   rows = metrics.read_metrics(str(tmp_path))
   updates = metrics.update_rows(rows)
   assert [r["step"] for r in updates] == [1, 2, 3] and summary["final_eval_accuracy"] is not None

@@ -14,7 +14,7 @@ def run_twice(tmp_path, **sections):
   config = make_config(**sections)
   runs = []
   for name in ("first", "second"):
-    trainer.Trainer(config, str(tmp_path / name)).run()
+    trainer.Trainer(trainer.build(config, str(tmp_path / name))).run()
     runs.append(metrics.read_metrics(str(tmp_path / name)))
   return runs
 

@@ -9,6 +9,7 @@ from scripted_pool import ScriptedPool
 from configs import common
 from copc_jax import config as config_lib
 from copc_jax import presets
+from copc_jax.envs.tasks import make_task
 from copc_jax.models import tiny
 from copc_jax.train import metrics, trainer
 from copc_jax.train.setup import TrainerConfig
@@ -40,7 +41,8 @@ def scripted_pool_factory(pools, **kwargs):
 
 def train(config, workdir, **kwargs):
   pools = []
-  summary = trainer.Trainer(config, str(workdir), backend_factory=scripted_pool_factory(pools, **kwargs)).run()
+  parts = trainer.build(config, str(workdir), backend_factory=scripted_pool_factory(pools, **kwargs))
+  summary = trainer.Trainer(parts).run()
   return summary, pools, metrics.read_metrics(str(workdir))
 
 
@@ -184,7 +186,7 @@ def test_a_dead_pool_stops_the_run_with_a_checkpoint_and_advice(tmp_path):
   tokenizer = tiny.make_tokenizer()
   make = lambda: FailingPool(len(tokenizer), fail_after=60)
   with pytest.raises(trainer.TrainingError) as info:
-    trainer.Trainer(config, str(tmp_path), backend_factory=make).run()
+    trainer.Trainer(trainer.build(config, str(tmp_path), backend_factory=make)).run()
   message = str(info.value)
   assert "PoolExhausted" in message and "Every rollout server is down" in message
   assert "rerun the same command to resume" in message
@@ -215,7 +217,7 @@ def test_a_run_stopped_during_an_evaluation_evaluates_that_step_when_it_resumes(
   factory = lambda evaluation=False: (DiesInItsSecondEvaluation if evaluation else ScriptedPool)(
       len(tokenizer), tool_call_end=end)
   with pytest.raises(trainer.TrainingError, match="training stopped at step 2"):
-    trainer.Trainer(config, str(tmp_path), backend_factory=factory).run()
+    trainer.Trainer(trainer.build(config, str(tmp_path), backend_factory=factory)).run()
   rows = metrics.read_metrics(str(tmp_path))
   assert [(r["step"], "eval_accuracy" in r) for r in rows] == [(0, True), (1, False), (2, False)]
   _, _, rows = train(config, tmp_path)
@@ -226,7 +228,7 @@ def test_a_run_stopped_during_an_evaluation_evaluates_that_step_when_it_resumes(
 def test_missing_checkpoint_is_named(tmp_path):
   config = make_config(model=dict(checkpoint=str(tmp_path / "nowhere")))
   with pytest.raises(FileNotFoundError, match="config.model.checkpoint: no Hugging Face checkpoint"):
-    trainer.Trainer(config, str(tmp_path / "run"))
+    trainer.Trainer(trainer.build(config, str(tmp_path / "run")))
 
 
 def test_bad_trainer_settings_fail_at_load_time():
@@ -261,7 +263,7 @@ def test_a_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
 
 def test_an_error_inside_a_rollout_worker_stops_the_run(tmp_path):
   config = make_config(trainer=dict(mode="async", steps=50, eval_every=0, checkpoint_every=100))
-  task = trainer.make_task(config.task, config.seed)
+  task = make_task(config.task, config.seed)
   calls = []
 
   def broken_tool(turn_text):
@@ -272,7 +274,8 @@ def test_an_error_inside_a_rollout_worker_stops_the_run(tmp_path):
 
   task.tool = broken_tool
   pools = []
-  run = trainer.Trainer(config, str(tmp_path), task=task, backend_factory=scripted_pool_factory(pools))
+  run = trainer.Trainer(trainer.build(config, str(tmp_path), task=task,
+                                      backend_factory=scripted_pool_factory(pools)))
   with pytest.raises(trainer.TrainingError, match="OSError: the sandbox is gone"):
     run.run()
   assert pools[0].closed

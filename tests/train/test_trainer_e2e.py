@@ -101,7 +101,7 @@ def small_config(**sections):
 def test_servers_that_never_become_ready_end_the_run_with_advice(tmp_path):
   config = small_config(rollout=dict(ready_timeout_s=0.5))
   with pytest.raises(trainer.TrainingError, match=r"did not start(.|\n)*ready_timeout_s \(0.5\)"):
-    trainer.Trainer(config, str(tmp_path)).run()
+    trainer.Trainer(trainer.build(config, str(tmp_path))).run()
   assert not servers_of(tmp_path)
 
 
@@ -120,7 +120,7 @@ def test_a_remote_pool_that_dies_saves_and_says_so(tmp_path, monkeypatch):
   killer.start()
   try:
     with pytest.raises(trainer.TrainingError) as info:
-      trainer.Trainer(config, str(workdir)).run()
+      trainer.Trainer(trainer.build(config, str(workdir))).run()
   finally:
     killer.join()
     server.stop()
@@ -158,11 +158,11 @@ def test_servers_that_do_not_fit_the_config_or_serve_another_model_are_refused(t
     short = (rf"rollout server {address} has max_length 96, less than config.rollout.max_length 128: start "
              r"it with --max_length=128")
     with pytest.raises(trainer.TrainingError, match=short):
-      trainer.Trainer(config, str(tmp_path / "short")).run()
+      trainer.Trainer(trainer.build(config, str(tmp_path / "short"))).run()
     config = small_config(model=dict(checkpoint=str(tmp_path / "llama")), rollout=dict(addresses=(address,)))
     other = rf"rollout server {address} serves a different model: model_type is 'qwen2' there and 'llama' in"
     with pytest.raises(trainer.TrainingError, match=other):
-      trainer.Trainer(config, str(tmp_path / "other")).run()
+      trainer.Trainer(trainer.build(config, str(tmp_path / "other"))).run()
   finally:
     server.stop()
   for workdir in ("short", "other"):           # refused before anything was generated or trained
@@ -192,10 +192,10 @@ def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_
                           trainer=dict(mode="sync", steps=3, eval_every=0))
     refused = r"refused weights version 0 \(path .*by_path.*weight_transfer='stream'"
     with pytest.raises(trainer.TrainingError, match=refused):
-      trainer.Trainer(config, str(tmp_path / "by_path")).run()
+      trainer.Trainer(trainer.build(config, str(tmp_path / "by_path"))).run()
     rollout = dataclasses.replace(config.rollout, weight_transfer="stream")
     streamed = dataclasses.replace(config, rollout=rollout)
-    trainer.Trainer(streamed, str(tmp_path / "streamed")).run()
+    trainer.Trainer(trainer.build(streamed, str(tmp_path / "streamed"))).run()
     rows = metrics.read_metrics(str(tmp_path / "streamed"))
     assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
     status = client.status()
@@ -204,7 +204,7 @@ def test_streamed_weights_reach_a_server_that_cannot_see_the_learners_files(tmp_
     def train_without_the_workdir_disk(transfer: str, name: str) -> dict:
       """A 3-update run with `transfer` that writes no version to its workdir; the server's Status after."""
       rollout = dataclasses.replace(config.rollout, weight_transfer=transfer)
-      trainer.Trainer(dataclasses.replace(config, rollout=rollout), str(tmp_path / name)).run()
+      trainer.Trainer(trainer.build(dataclasses.replace(config, rollout=rollout), str(tmp_path / name))).run()
       assert [r["step"] for r in metrics.read_metrics(str(tmp_path / name)) if r["step"] >= 1] == [1, 2, 3]
       weights = tmp_path / name / "weights"
       assert not weights.exists() or not any(weights.iterdir())
