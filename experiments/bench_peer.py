@@ -1,7 +1,7 @@
 """copc_jax next to a peer JAX RL library (Tunix) on issue 17's workload, in alternating runs.
 
   python experiments/bench_peer.py --peer-python PEER_ENV/bin/python --out experiments/results/peer.json
-  python experiments/bench_peer.py --render        # README table from experiments/results/peer.json
+  python experiments/bench_peer.py --render        # docs/results.md table from experiments/results/peer.json
 
 The peer runs in its own environment (`experiments/peer/requirements.txt`; Tunix pins its own
 dependencies), as a subprocess: `experiments/peer/tunix_ppo.py`. The workload: one random
@@ -46,7 +46,7 @@ from copc_jax.train.weights import WeightStore
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "peer.json")
 RESULTS_IN_PROCESS = os.path.join(HERE, "results", "peer_in_process.json")     # --backend in_process
-README = os.path.join(os.path.dirname(HERE), "README.md")
+README = os.path.join(os.path.dirname(HERE), "docs", "results.md")
 CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
@@ -161,7 +161,7 @@ LABELS = {"rollout_tokens_per_s": "rollout tokens/s", "learner_tokens_per_s": "l
 
 
 def render(results_path: str = RESULTS, readme: str = README) -> str:
-  """The README's side-by-side table, from the benchmark's JSON (marker `peer`, or `peer_in_process`
+  """docs/results.md's side-by-side table, from the benchmark's JSON (marker `peer`, or `peer_in_process`
   for a run with `--backend in_process`)."""
   import study
   with open(results_path) as f:
@@ -205,7 +205,7 @@ def main():
   parser.add_argument("--backend", choices=("jetstream", "in_process"), default="jetstream",
                       help="our rollout backend (in_process: no server; weights as arrays)")
   parser.add_argument("--out", help="also write the numbers here (JSON, with provenance)")
-  parser.add_argument("--render", action="store_true", help="only rewrite the README table from " + RESULTS)
+  parser.add_argument("--render", action="store_true", help="only rewrite the docs table from " + RESULTS)
   args = parser.parse_args()
   if args.render:
     print(render())

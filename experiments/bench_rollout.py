@@ -3,7 +3,7 @@
   python experiments/bench_rollout.py                 # small model, 4 slots, 64 new tokens
   python experiments/bench_rollout.py --servers 1 2 4
   python experiments/bench_rollout.py --hidden 128 --layers 4 --slots 8 --prompt 16 --new-tokens 32
-  python experiments/bench_rollout.py --render        # README table from experiments/results/rollout.json
+  python experiments/bench_rollout.py --render   # docs/results.md table from experiments/results/rollout.json
 
 Measured in the same run: (0) the reference: the whole batch generated in one jitted
 call, prefill and a `lax.fori_loop` of sample + decode steps on the device (the
@@ -195,11 +195,12 @@ def one_request_s(pool: RolloutPool, prompt_len: int, new_tokens: int, vocab: in
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.json")
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                      "results.md")
 
 
 def render(results_path: str = RESULTS, readme: str = README) -> str:
-  """The README's rollout table and cost breakdown, from the benchmark's JSON."""
+  """docs/results.md's rollout table and cost breakdown, from the benchmark's JSON."""
   import json
 
   import study
@@ -267,7 +268,7 @@ def main():
   parser.add_argument("--concurrent", type=int, nargs="*", default=[],
                       help="also: this many concurrent requests on the largest number of servers")
   parser.add_argument("--out", help="also write the numbers here (JSON, with provenance)")
-  parser.add_argument("--render", action="store_true", help="only rewrite the README table from " + RESULTS)
+  parser.add_argument("--render", action="store_true", help="only rewrite the docs table from " + RESULTS)
   args = parser.parse_args()
   if args.render:
     print(render())

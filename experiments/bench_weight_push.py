@@ -2,7 +2,7 @@
 
   python experiments/bench_weight_push.py                   # the 100M config, 1, 2 and 4 servers
   python experiments/bench_weight_push.py --out experiments/results/weight_push.json
-  python experiments/bench_weight_push.py --render          # README table from that JSON
+  python experiments/bench_weight_push.py --render          # docs/training.md table from that JSON
 
 A model of bench_learner's config is pushed to local servers `--rounds` times per transfer, each
 time as a new version, exactly as the trainer does after an update (what its `weight_sync_s` times):
@@ -93,11 +93,12 @@ def learner_step_s(config_name: str) -> tuple[float, str] | None:
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "weight_push.json")
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                      "training.md")
 
 
 def render(results_path: str = RESULTS, readme: str = README) -> str:
-  """The README's weight-push table, from the benchmark's JSON."""
+  """docs/training.md's weight-push table, from the benchmark's JSON."""
   with open(results_path) as f:
     r = json.load(f)
   step = r.get("learner_step")
@@ -130,7 +131,7 @@ def main():
   parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--out", help="also write the numbers here (JSON)")
-  parser.add_argument("--render", action="store_true", help="only rewrite the README table from " + RESULTS)
+  parser.add_argument("--render", action="store_true", help="only rewrite the docs table from " + RESULTS)
   args = parser.parse_args()
   if args.render:
     print(render())

@@ -99,6 +99,33 @@ def render(result: dict) -> str:
   return text
 
 
+def figure(result: dict, path: str) -> None:
+  """Held-out accuracy against updates, one line per run (the README's figure)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.4, 3.2))
+  for r in result["runs"]:
+    curve = [(0, r["initial_eval_accuracy"])] + [(s, a) for s, a in r["eval_curve"] if s > 0]
+    steps, accuracy = zip(*curve, strict=True)
+    ax.plot(steps, accuracy, marker=".", label=f"{r['workdir_name']}")
+  ax.set_xlabel("update (0: after the warm start)")
+  ax.set_ylabel("held-out accuracy (greedy)")
+  ax.set_ylim(0, 1)
+  ax.set_title(f"configs/default.py: async COPC, commit {result['git_commit'][:7]}", fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def write(result: dict) -> None:
+  """The README's table and reading, and its figure, from `result`."""
+  study.write_between_markers(os.path.join(ROOT, "README.md"), "default_run", render(result))
+  figure(result, os.path.join(ROOT, "experiments", "results", "default_run.png"))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--render", action="store_true", help="rewrite the README's section from --out")
@@ -110,7 +137,7 @@ def main():
   args = parser.parse_args()
   if args.render:
     with open(args.out) as f:
-      study.write_between_markers(os.path.join(ROOT, "README.md"), "default_run", render(json.load(f)))
+      write(json.load(f))
     return
   commit = study.git_commit()           # the code the runs start with
   jobs = [(s, f"seed{s}") for s in args.seeds] + [(args.seeds[0], f"seed{args.seeds[0]}_repeat{i + 1}")
@@ -139,7 +166,8 @@ def main():
           f"{r['final_eval_accuracy']:.3f} | {r['reward_first_10']:.3f} / {r['reward_last_10']:.3f} |")
   for key, s in result["all_runs"].items():
     print(f"{key}: mean {s['mean']:.3f}, range {s['min']:.3f}–{s['max']:.3f} over {s['n']} runs")
-  print(f"wrote {args.out}")
+  write(result)
+  print(f"wrote {args.out}, the README's table and experiments/results/default_run.png")
 
 
 if __name__ == "__main__":

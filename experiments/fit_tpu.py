@@ -2,7 +2,7 @@
 
     .venv/bin/python experiments/fit_tpu.py                       # every config; writes results/tpu_fit.json
     .venv/bin/python experiments/fit_tpu.py --only math:7b        # one config
-    .venv/bin/python experiments/fit_tpu.py --render              # the README table from the JSON
+    .venv/bin/python experiments/fit_tpu.py --render              # docs/internals.md table from the JSON
 
 For each config (`configs/qwen2_5_math.py`, `configs/qwen2_5_search.py`, each size) and the hardware
 it names (`HARDWARE` in the config file), on this CPU machine with libtpu installed
@@ -270,7 +270,7 @@ def render(results: dict) -> None:
           f"libtpu {results['libtpu_version']} (compiled on {results['machine']}, no TPU). Memory is the "
           f"compiler's plan per chip; the lower bound is FLOPs at the chip's peak bf16 rate.\n\n"
           + table(results))
-  study.write_between_markers(os.path.join(study.ROOT, "README.md"), "tpu_fit", text)
+  study.write_between_markers(os.path.join(study.ROOT, "docs", "internals.md"), "tpu_fit", text)
 
 
 def main():

@@ -126,8 +126,9 @@ def render(results: dict, here: str = HERE) -> None:
   plt.close(fig)
   lines += ["", "![speedup over sync PPO and COPC's overhead](speedup.png)"]
   study.write_between_markers(os.path.join(here, "README.md"), "results", "\n".join(lines))
-  if here == HERE:                          # the project README's summary of this study
-    study.write_between_markers(os.path.join(os.path.dirname(os.path.dirname(HERE)), "README.md"), "step_time",
+  if here == HERE:                          # the results page's summary of this study
+    study.write_between_markers(os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "results.md"),
+                                "step_time",
                                 "\n".join([lines[0], ""] + summary))
 
 
