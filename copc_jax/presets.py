@@ -20,10 +20,8 @@ In `vtrace` and `copc` the advantage already carries the ratio of the token
 being updated, so the policy channel carries none.
 
 `copc_spec` is the setting the spec writes down (the paper's own values are not public);
-`copc` is the setting the studies' evidence picked (experiments/copc_default/README.md:
-the best mean held-out accuracy over tool arithmetic and knowledge search at k = 16 and 64);
-today that is the spec's setting, by a margin inside the noise, and policy-side or uncorrected
-presets beat every COPC setting measured there.
+`copc` is the setting picked by the rule of `experiments/copc_default/` (what the evidence says,
+and how strongly, is in that study's README, not here).
 """
 
 from __future__ import annotations

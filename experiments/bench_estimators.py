@@ -1,6 +1,6 @@
 """Tokens/s of `coupled_advantages` against rlax V-trace, a bare recurrence and NumPy.
 
-  python experiments/bench_estimators.py            # B = 64, T ∈ {1024, 4096, 16384}
+  python -m experiments.bench_estimators            # B = 64, T ∈ {1024, 4096, 16384}
 
 All timings come from the same run. The jitted implementations are timed in
 interleaved rounds (each round: the best of `--calls` calls of every one of them,

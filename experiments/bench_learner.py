@@ -1,7 +1,7 @@
 """Learner step time, tokens/s and model FLOP utilisation, split into forward pass, estimator and update.
 
-  python experiments/bench_learner.py                       # tiny and ~100M-parameter configs
-  python experiments/bench_learner.py --configs tiny --steps 3
+  python -m experiments.bench_learner                       # tiny and ~100M-parameter configs
+  python -m experiments.bench_learner --configs tiny --steps 3
 
 For each config, measured in the same run: the full jitted train step (one
 epoch, one minibatch, COPC preset), the actor + critic forward pass alone (the
@@ -30,6 +30,7 @@ from copc_jax.sampling import token_logprobs_and_entropy
 from copc_jax.train import Learner, LearnerConfig
 from copc_jax.train.fake_data import random_batch
 from copc_jax.train.learner import state_values
+from experiments import study
 
 CONFIGS = {
     # name: (model overrides, batch size, prompt length, response length)
@@ -137,7 +138,6 @@ def main():
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak resident memory of this process: {peak:.2f} GiB")
   if args.out:
-    import study
     study.write_benchmark(args.out, {"description": __doc__.splitlines()[0], "steps": args.steps,
                              "matmul_flops_per_s": rate, "rows": rows, "peak_resident_gib": peak})
 

@@ -1,7 +1,7 @@
 """copc_jax next to a peer JAX RL library (Tunix) on issue 17's workload, in alternating runs.
 
-  python experiments/bench_peer.py --peer-python PEER_ENV/bin/python --out experiments/results/peer.json
-  python experiments/bench_peer.py --render        # docs/results.md table from experiments/results/peer.json
+  python -m experiments.bench_peer --peer-python PEER_ENV/bin/python --out experiments/bench_peer.json
+  python -m experiments.bench_peer --render        # docs/results.md table from experiments/bench_peer.json
 
 The peer runs in its own environment (`experiments/peer/requirements.txt`; Tunix pins its own
 dependencies), as a subprocess: `experiments/peer/tunix_ppo.py`. The workload: one random
@@ -32,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 from flax import nnx
-from peer import tunix_ppo
 
 from copc_jax import presets
 from copc_jax.models import hf_io, tiny
@@ -42,10 +41,12 @@ from copc_jax.rollout.pool import RolloutPool
 from copc_jax.train import Learner, LearnerConfig
 from copc_jax.train.fake_data import random_batch
 from copc_jax.train.weights import WeightStore
+from experiments import study
+from experiments.peer import tunix_ppo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "peer.json")
-RESULTS_IN_PROCESS = os.path.join(HERE, "results", "peer_in_process.json")     # --backend in_process
+RESULTS = study.beside(__file__)
+RESULTS_IN_PROCESS = study.beside(__file__, "_in_process.json")     # --backend in_process
 README = os.path.join(os.path.dirname(HERE), "docs", "results.md")
 CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -163,7 +164,6 @@ LABELS = {"rollout_tokens_per_s": "rollout tokens/s", "learner_tokens_per_s": "l
 def render(results_path: str = RESULTS, readme: str = README) -> str:
   """docs/results.md's side-by-side table, from the benchmark's JSON (marker `peer`, or `peer_in_process`
   for a run with `--backend in_process`)."""
-  import study
   with open(results_path) as f:
     r = json.load(f)
   s = r["summary"]
@@ -239,7 +239,6 @@ def main():
           + (f", ratio {x['ratio']:.2f} ({x['ratio_range'][0]:.2f}-{x['ratio_range'][1]:.2f})" if "ratio" in x
              else ""))
   if args.out:
-    import study
     study.write_benchmark(args.out, {
         "description": __doc__.splitlines()[0], "parameters": int(parameters), "prompts": args.prompts,
         "prompt_length": args.prompt_length, "new_tokens": args.new_tokens, "epochs": args.epochs,

@@ -1,9 +1,9 @@
 """Decode throughput: JetStream servers and the in-process backend vs on-device generation of one model.
 
-  python experiments/bench_rollout.py                 # small model, 4 slots, 64 new tokens
-  python experiments/bench_rollout.py --servers 1 2 4
-  python experiments/bench_rollout.py --hidden 128 --layers 4 --slots 8 --prompt 16 --new-tokens 32
-  python experiments/bench_rollout.py --render   # docs/results.md table from experiments/results/rollout.json
+  python -m experiments.bench_rollout                 # small model, 4 slots, 64 new tokens
+  python -m experiments.bench_rollout --servers 1 2 4
+  python -m experiments.bench_rollout --hidden 128 --layers 4 --slots 8 --prompt 16 --new-tokens 32
+  python -m experiments.bench_rollout --render   # docs/results.md table from experiments/bench_rollout.json
 
 Measured in the same run: (0) the reference: the whole batch generated in one jitted
 call, prefill and a `lax.fori_loop` of sample + decode steps on the device (the
@@ -16,10 +16,12 @@ end early on EOS); ratios are against the on-device reference.
 """
 
 import argparse
+import json
 import os
 import resource
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,7 @@ from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder, KVCache
 from copc_jax.rollout.in_process import InProcessBackend
 from copc_jax.rollout.pool import RolloutPool
+from experiments import study
 
 
 def bare_decode_tokens_per_s(model: Decoder, slots: int, prompt_len: int, new_tokens: int,
@@ -105,7 +108,6 @@ def in_process_tokens_per_s(model: Decoder, slots: int, prompt_len: int, new_tok
                             rounds: int, steps_per_call: int) -> float:
   """`slots` concurrent requests (one thread each, as the episode workers call it) on the in-process
   backend; the best round after a warm-up."""
-  from concurrent.futures import ThreadPoolExecutor
 
   rng = np.random.default_rng(1)
   backend = InProcessBackend(model, slots=slots, max_prefill_length=32, max_length=max_length,
@@ -194,16 +196,14 @@ def one_request_s(pool: RolloutPool, prompt_len: int, new_tokens: int, vocab: in
   return best
 
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.json")
+RESULTS = study.beside(__file__)
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                       "results.md")
 
 
 def render(results_path: str = RESULTS, readme: str = README) -> str:
   """docs/results.md's rollout table and cost breakdown, from the benchmark's JSON."""
-  import json
 
-  import study
   with open(results_path) as f:
     r = json.load(f)
   lines = [f"Model {r['parameters'] / 1e6:.2f}M parameters, {r['slots']} slots per server, "
@@ -318,7 +318,6 @@ def main():
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"peak memory of this process (the reference loops): {peak:.2f} GiB")
   if args.out:
-    import study
     study.write_benchmark(args.out, {
         "description": __doc__.splitlines()[0], "parameters": int(params), "slots": args.slots,
         "prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds,

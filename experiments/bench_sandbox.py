@@ -1,6 +1,6 @@
 """Per-call cost of the code sandbox against a bare interpreter start, measured in the same run.
 
-  python experiments/bench_sandbox.py [--calls 30] [--concurrent 8]
+  python -m experiments.bench_sandbox [--calls 30] [--concurrent 8]
 
 Reference: `python -I -S -c "print(1)"` as a plain subprocess (the interpreter the sandbox runs).
 Prints the median wall time of each and their ratio; with --concurrent, the same through a
@@ -35,7 +35,7 @@ def main():
   parser.add_argument("--calls", type=int, default=30)
   parser.add_argument("--concurrent", type=int, default=8)
   args = parser.parse_args()
-  _, interpreter = sandbox._interpreter(sandbox._sandbox_uid())
+  interpreter = sandbox.sandbox_interpreter()
   bare = median_ms(lambda: subprocess.run([interpreter, "-I", "-S", "-c", CODE], capture_output=True,
                                           check=True), args.calls)
   boxed = median_ms(lambda: sandbox.run_python(CODE), args.calls)

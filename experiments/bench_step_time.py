@@ -1,6 +1,6 @@
 """Step time of sync PPO, async PPO and async COPC on the same task and batch, measured in one run.
 
-  python experiments/bench_step_time.py [--steps=20] [--tool_latency_s=0.5]
+  python -m experiments.bench_step_time [--steps=20] [--tool_latency_s=0.5]
 
 Each method trains the default config's tiny model (one shared warm start) against
 two local JetStream servers for `--steps` updates; the mean step time skips the
@@ -13,18 +13,15 @@ import argparse
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # for configs/
-
-from configs import default, search  # noqa: E402
-from copc_jax import config as config_lib  # noqa: E402
-from copc_jax.envs.tasks import make_task  # noqa: E402
-from copc_jax.train import metrics, trainer, warm_start  # noqa: E402
+from configs import default, search
+from copc_jax import config as config_lib
+from copc_jax.envs.tasks import make_task
+from copc_jax.train import metrics, trainer, warm_start
 
 CONFIGS = {"default": default, "search": search}      # tool arithmetic; knowledge search (1–3 turns)
 METHODS = (("sync PPO", "sync_ppo", "sync"), ("async PPO", "async_ppo", "async"),

@@ -1,8 +1,8 @@
 """Weight sync time of the trainer's own push (`WeightStore.push`) for each weight transfer.
 
-  python experiments/bench_weight_push.py                   # the 100M config, 1, 2 and 4 servers
-  python experiments/bench_weight_push.py --out experiments/results/weight_push.json
-  python experiments/bench_weight_push.py --render          # docs/training.md table from that JSON
+  python -m experiments.bench_weight_push                   # the 100M config, 1, 2 and 4 servers
+  python -m experiments.bench_weight_push --out experiments/bench_weight_push.json
+  python -m experiments.bench_weight_push --render          # docs/training.md table from that JSON
 
 A model of bench_learner's config is pushed to local servers `--rounds` times per transfer, each
 time as a new version, exactly as the trainer does after an update (what its `weight_sync_s` times):
@@ -13,7 +13,7 @@ time as a new version, exactly as the trainer does after an update (what its `we
           transposes), every server reads it there.
 Reported: the median and the slowest seconds per push (saved, and swapped on every server; a path
 or stream push that writes while the kernel flushes earlier versions to disk waits), and each transfer's
-share of the learner's step for the same config when `experiments/results/learner.json` has it
+share of the learner's step for the same config when `experiments/bench_learner.json` has it
 (measured by bench_learner in its own run; its commit is written next to the share).
 """
 
@@ -24,27 +24,23 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+from flax import nnx
 
-import bench_learner  # noqa: E402
-import jax  # noqa: E402
-import study  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from copc_jax.models import hf_io, tiny  # noqa: E402
-from copc_jax.models.decoder import Decoder  # noqa: E402
+from copc_jax.models import hf_io, tiny
+from copc_jax.models.decoder import Decoder
 from copc_jax.rollout import auth
-from copc_jax.rollout.pool import RolloutPool  # noqa: E402
-from copc_jax.rollout.process import ServerProcess  # noqa: E402
-from copc_jax.rollout.protocol import WEIGHT_TRANSFERS  # noqa: E402
-from copc_jax.train.weights import WeightStore, shared_memory_directory  # noqa: E402
+from copc_jax.rollout.pool import RolloutPool
+from copc_jax.rollout.process import ServerProcess
+from copc_jax.rollout.protocol import WEIGHT_TRANSFERS
+from copc_jax.train.weights import WeightStore, shared_memory_directory
+from experiments import bench_learner, study
 
 TRANSFERS = tuple(WEIGHT_TRANSFERS)
-LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "learner.json")
+LEARNER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_learner.json")
 
 
 def time_pushes(addresses, actor, directory: str, transfer: str, rounds: int, first_version: int,
@@ -92,7 +88,7 @@ def learner_step_s(config_name: str) -> tuple[float, str] | None:
   return (rows[0]["step_s"], learner["git_commit"]) if rows else None
 
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "weight_push.json")
+RESULTS = study.beside(__file__)
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                       "training.md")
 
@@ -105,8 +101,8 @@ def render(results_path: str = RESULTS, readme: str = README) -> str:
   lines = [f"The {r['config']} model ({r['parameters'] / 1e6:.1f}M parameters, "
            f"{r['bytes_per_version'] / 2**20:.0f} MiB per version), median and slowest of {r['rounds']} "
            f"pushes, each saved and swapped on every server (commit {r['git_commit'][:10]}; `{r['command']}`)"
-           + (f"; share: of the learner's step for this config ({step['step_s']:.2f} s, `learner.json` at "
-              f"{step['git_commit'][:10]})." if step else "."), "",
+           + (f"; share: of the learner's step for this config ({step['step_s']:.2f} s, "
+              f"`bench_learner.json` at {step['git_commit'][:10]})." if step else "."), "",
            "| servers | " + " | ".join(f"{t} (s)" for t in TRANSFERS) + " | fastest | its share of the step |",
            "|---:|" + "---:|" * (len(TRANSFERS) + 2)]
   for row in r["rows"]:
@@ -147,7 +143,7 @@ def main():
     hf_io.save_pretrained(actor, base)
     size = os.path.getsize(os.path.join(base, hf_io.SAFETENSORS_SINGLE))
     print(f"model {args.config}: {params / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB per version; median of "
-          f"{args.rounds} pushes" + (f"; share of the learner step ({step[0]:.2f} s, learner.json at "
+          f"{args.rounds} pushes" + (f"; share of the learner step ({step[0]:.2f} s, bench_learner.json at "
                                      f"{step[1][:10]})" if step else "") + "\n")
     print("| servers | " + " | ".join(f"{t} (s, slowest)" for t in TRANSFERS) + " | shm / path |"
           + (" shm share of the step |" if step else ""))

@@ -1,8 +1,8 @@
 """The README's headline numbers: the main command over several seeds, with provenance.
 
-  python experiments/default_run_seeds.py                       # seeds 0 1 2, plus seed 0 once more
-  python experiments/default_run_seeds.py --seeds 0 1 2 3 --repeats 1 --out experiments/results/default_run.json
-  python experiments/default_run_seeds.py --render      # the README's table and reading from the JSON
+  python -m experiments.default_run_seeds                       # seeds 0 1 2, plus seed 0 once more
+  python -m experiments.default_run_seeds --seeds 0 1 2 3 --repeats 1 --out experiments/default_run_seeds.json
+  python -m experiments.default_run_seeds --render      # the README's table and reading from the JSON
 
 Each run is the README's main command (`python -m copc_jax.main --config=configs/default.py`,
 with `--config.seed=S`) in its own process and workdir under `--root`. A run that
@@ -28,16 +28,12 @@ import tempfile
 import jax
 import numpy as np
 
+from configs import default
+from copc_jax import config as config_lib
+from copc_jax.train import metrics
+from experiments import study
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-import study  # noqa: E402
-
-from configs import default  # noqa: E402
-from copc_jax import config as config_lib  # noqa: E402
-from copc_jax.train import metrics  # noqa: E402
-
 
 def run_one(seed: int, workdir: str, extra: list[str]) -> dict:
   summary_path = os.path.join(workdir, "summary.json")
@@ -123,7 +119,7 @@ def figure(result: dict, path: str) -> None:
 def write(result: dict) -> None:
   """The README's table and reading, and its figure, from `result`."""
   study.write_between_markers(os.path.join(ROOT, "README.md"), "default_run", render(result))
-  figure(result, os.path.join(ROOT, "experiments", "results", "default_run.png"))
+  figure(result, study.beside(__file__, ".png"))
 
 
 def main():
@@ -132,7 +128,7 @@ def main():
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--repeats", type=int, default=1, help="extra runs of the first seed")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_default_seeds"))
-  parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "default_run.json"))
+  parser.add_argument("--out", default=study.beside(__file__))
   parser.add_argument("overrides", nargs="*", help="extra --config.x=y flags for every run")
   args = parser.parse_args()
   if args.render:
@@ -167,7 +163,7 @@ def main():
   for key, s in result["all_runs"].items():
     print(f"{key}: mean {s['mean']:.3f}, range {s['min']:.3f}–{s['max']:.3f} over {s['n']} runs")
   write(result)
-  print(f"wrote {args.out}, the README's table and experiments/results/default_run.png")
+  print(f"wrote {args.out}, the README's table and experiments/default_run_seeds.png")
 
 
 if __name__ == "__main__":

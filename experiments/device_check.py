@@ -1,8 +1,8 @@
 """On an accelerator (GPU or TPU): what runs where, and how fast. Run it when a machine has one.
 
     .venv/bin/pip install -r requirements-cuda.txt       # on a GPU machine (TPU VMs: jax[tpu])
-    .venv/bin/python experiments/device_check.py          # writes experiments/results/device_check.json
-    .venv/bin/python experiments/device_check.py --skip_run   # learner step and decode only (a minute)
+    .venv/bin/python -m experiments.device_check          # writes experiments/device_check.json
+    .venv/bin/python -m experiments.device_check --skip_run   # learner step and decode only (a minute)
 
 1. The learner step at the platform's settings (`model.compute_options`: bf16 compute over float32
    weights, the platform's attention kernel, scanned layers, chunked log π) on a 4-layer, d = 512
@@ -25,23 +25,25 @@ import sys
 import tempfile
 import time
 
+import jax
+import numpy as np
+from flax import nnx
+
+from copc_jax import presets
+from copc_jax.models import hf_io, tiny
+from copc_jax.models.config import ModelConfig
+from copc_jax.models.decoder import Decoder, ValueModel
+from copc_jax.rollout.engine import SamplingOptions
+from copc_jax.rollout.jetstream_adapter import CopcEngine, SampledPrompt
+from copc_jax.sampling import sampling_logprobs
+from copc_jax.train import Learner, LearnerConfig
+from copc_jax.train.fake_data import random_batch
+from copc_jax.train.setup import ModelSource
+from experiments import study
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import study  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from copc_jax import presets  # noqa: E402
-from copc_jax.models import hf_io, tiny  # noqa: E402
-from copc_jax.models.config import ModelConfig  # noqa: E402
-from copc_jax.models.decoder import Decoder, ValueModel  # noqa: E402
-from copc_jax.train import Learner, LearnerConfig  # noqa: E402
-from copc_jax.train.fake_data import random_batch  # noqa: E402
-from copc_jax.train.setup import ModelSource  # noqa: E402
-
-OUT = os.path.join(HERE, "results", "device_check.json")
+OUT = study.beside(__file__)
 
 
 def learner_step(platform: str) -> dict:
@@ -68,9 +70,6 @@ def learner_step(platform: str) -> dict:
 
 
 def server_decode(platform: str, directory: str) -> dict:
-  from copc_jax.rollout.engine import SamplingOptions
-  from copc_jax.rollout.jetstream_adapter import CopcEngine, SampledPrompt
-  from copc_jax.sampling import sampling_logprobs
 
   path = os.path.join(directory, "tiny")
   tiny.make_tiny_checkpoint(path, "qwen2", seed=0)

@@ -1,8 +1,8 @@
 """Does every Qwen2.5 config fit the TPU slices it names? The compiler's own per-chip memory plan.
 
-    .venv/bin/python experiments/fit_tpu.py                       # every config; writes results/tpu_fit.json
-    .venv/bin/python experiments/fit_tpu.py --only math:7b        # one config
-    .venv/bin/python experiments/fit_tpu.py --render              # docs/internals.md table from the JSON
+    .venv/bin/python -m experiments.fit_tpu                      # every config; writes experiments/fit_tpu.json
+    .venv/bin/python -m experiments.fit_tpu --only math:7b        # one config
+    .venv/bin/python -m experiments.fit_tpu --render              # docs/internals.md table from the JSON
 
 For each config (`configs/qwen2_5_math.py`, `configs/qwen2_5_search.py`, each size) and the hardware
 it names (`HARDWARE` in the config file), on this CPU machine with libtpu installed
@@ -31,19 +31,19 @@ import dataclasses
 import importlib.util
 import json
 import os
-import sys
 import time
+from importlib import metadata
+
+from jax.experimental import topologies
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")          # libtpu asks no metadata server
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # other jax processes may hold libtpu's lock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import study  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from copc_jax import config as config_lib  # noqa: E402
@@ -54,8 +54,9 @@ from copc_jax.rollout import engine  # noqa: E402
 from copc_jax.rollout.engine import SERVING_RULES  # noqa: E402
 from copc_jax.train import learner as learner_lib  # noqa: E402
 from copc_jax.train import setup  # noqa: E402
+from experiments import study  # noqa: E402
 
-OUT = os.path.join(HERE, "results", "tpu_fit.json")
+OUT = study.beside(__file__)
 GIB = 2**30
 # Per chip: HBM (GiB) and peak bf16 FLOP/s (Cloud TPU documentation).
 CHIPS = {"v4": (32, 275e12), "v5e": (16, 197e12), "v5p": (95, 459e12), "v6e": (32, 918e12)}
@@ -83,7 +84,6 @@ def config_module(path: str):
 
 def topology_devices(name: str, chips_per_host_bounds=None):
   """The devices of a TPU slice that is not there, e.g. "v5p:2x2x4" (16 chips)."""
-  from jax.experimental import topologies
   kwargs = {} if chips_per_host_bounds is None else {"chips_per_host_bounds": tuple(chips_per_host_bounds)}
   return topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs).devices
 
@@ -289,7 +289,6 @@ def main():
   if os.path.exists(args.out):     # configs measured before keep their entry
     with open(args.out) as f:
       results["configs"] = json.load(f).get("configs", {})
-  from importlib import metadata
   for name in names:
     task, size = name.split(":")
     results["configs"][name] = {**fit(task, size, args.layers), "git_commit": study.git_commit()}

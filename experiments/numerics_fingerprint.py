@@ -1,7 +1,7 @@
 """The training numerics of the default config, reduced to a fingerprint that CI compares.
 
-  python experiments/numerics_fingerprint.py            # print the fingerprint of this commit
-  python experiments/numerics_fingerprint.py --update   # record it in tests/fixtures/ (say why in the commit)
+  python -m experiments.numerics_fingerprint            # print the fingerprint of this commit
+  python -m experiments.numerics_fingerprint --update   # record it in tests/fixtures/ (say why in the commit)
 
 The default config (`configs/default.py`) with a short warm start (40 steps), then 4 lag-mode updates
 (k = 2) of 8 episodes against two real JetStream servers, and a greedy evaluation on 8 held-out
@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
+import jax
+
+from configs import default
+from copc_jax import config as config_lib
+from copc_jax.train import metrics, trainer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "numerics_fingerprint.json")
 KEYS = ("reward_mean", "actor_loss", "value_loss", "grad_norm", "critic_grad_norm", "advantage_raw_mean",
@@ -30,8 +33,6 @@ KEYS = ("reward_mean", "actor_loss", "value_loss", "grad_norm", "critic_grad_nor
 
 
 def config():
-  from configs import default
-  from copc_jax import config as config_lib
   raw = default.get_config()
   raw.warm_start.steps = 40
   raw.task.eval_size = 8
@@ -43,9 +44,7 @@ def config():
 
 def fingerprint(workdir: str) -> dict:
   """Run the reduced default job in `workdir`; its rows' numbers that the fingerprint keeps."""
-  import jax
 
-  from copc_jax.train import metrics, trainer
   trainer.train_and_evaluate(config(), workdir)
   rows = metrics.read_metrics(workdir)
   return {"jax_version": jax.__version__,
@@ -72,7 +71,6 @@ def main():
 
 
 def jax_device_count() -> int:
-  import jax
   return jax.device_count()
 
 

@@ -1,6 +1,6 @@
 """Success rates of oracle policies with and without the tool, on both synthetic tasks.
 
-  python experiments/oracle_tasks.py
+  python -m experiments.oracle_tasks
 
 With the tool: the code runs in the real sandbox, the queries go to the real
 BM25 retriever, and the oracle reads the answer off the tool's output. Without

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -35,13 +36,19 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+from scipy import stats
+
+from copc_jax import config as config_lib
+from copc_jax.envs.tasks import make_task
+from copc_jax.rollout import auth
+from copc_jax.rollout.process import ServerProcess
+from copc_jax.train import metrics, trainer, warm_start
+from copc_jax.train import workdir as workdir_lib
+from experiments import figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)         # configs/ imports `configs.common`
-
-from copc_jax.train import workdir as workdir_lib  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +81,7 @@ def _flags(overrides: dict) -> list[str]:
 
 def load_config(config: str, overrides: dict, seed: int):
   """The typed config of a cell (for its warm start and the provenance)."""
-  import importlib.util
 
-  from copc_jax import config as config_lib
   spec = importlib.util.spec_from_file_location("study_config", os.path.join(ROOT, config))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -91,8 +96,6 @@ def load_config(config: str, overrides: dict, seed: int):
 
 def shared_warm_start(config: str, common: dict, seed: int, root: str) -> str | None:
   """The warm-started model of `seed`, built once under `root/_warm_start` (None: no warm start)."""
-  from copc_jax.envs.tasks import make_task
-  from copc_jax.train import trainer, warm_start
   typed = load_config(config, common, seed)
   if not typed.warm_start.steps:
     return None
@@ -110,7 +113,6 @@ class SharedServers:
     self.checkpoint, self.rollout, self.log_dir = checkpoint, rollout, log_dir
     self.processes: list = [None] * (rollout.num_servers + 1)      # the last one evaluates
     self.starts = 0
-    from copc_jax.rollout import auth
     self.token = auth.new_token()          # the cells get it in their environment ($COPC_AUTH_TOKEN)
 
   @staticmethod
@@ -127,7 +129,6 @@ class SharedServers:
 
   def ensure_running(self) -> None:
     """Start every server that is not running (at first: all of them), and wait until they answer."""
-    from copc_jax.rollout.process import ServerProcess
     c = self.rollout
     dead = self.dead()
     for i in dead:
@@ -174,7 +175,6 @@ def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: 
 
 def summarise(workdir: str, target: float) -> dict:
   """One run's numbers: the held-out curve, final accuracy, AUC, peak-to-final drop, updates to `target`."""
-  from copc_jax.train import metrics
   rows = metrics.read_metrics(workdir)
   curve = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
   updates = metrics.update_rows(rows)
@@ -213,7 +213,6 @@ SERIES_KEYS = ("reward_mean", "mask_fraction", "ess", "grad_norm", "staleness_me
 def spread(values) -> dict | None:
   """Mean, sample std (n − 1), the half-width of the 95% t interval of the mean, min, max and count of
   `values` (None if there are none; std and interval None for a single value)."""
-  from scipy import stats
   values = np.asarray(values, float)
   if not values.size:
     return None
@@ -226,7 +225,6 @@ def spread(values) -> dict | None:
 
 def fisher_collapses(collapsed_a: int, n_a: int, collapsed_b: int, n_b: int) -> float:
   """Two-sided Fisher exact test p-value of two collapse counts (collapsed of n seeds)."""
-  from scipy import stats
   return float(stats.fisher_exact([[collapsed_a, n_a - collapsed_a], [collapsed_b, n_b - collapsed_b]])[1])
 
 
@@ -238,7 +236,6 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
 
 
 def provenance() -> dict:
-  import jax
   return {"jax_version": jax.__version__, "python": platform.python_version(),
           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
 
@@ -278,12 +275,10 @@ def _run_on(servers: list[SharedServers] | None, config: str, overrides: dict, s
 
 def trainer_base(config: str, overrides: dict, seed: int, root: str) -> str:
   """The base checkpoint of a study without warm start (its servers start from it)."""
-  from copc_jax.train import trainer
   return trainer.base_checkpoint(load_config(config, overrides, seed), os.path.join(root, "_base"))
 
 
 def _run(cells, seeds, config, root, out, common, target, description, servers) -> dict:
-  import jax
   results = {"description": description, "config": config, "common_overrides": common, "seeds": seeds,
              "target_accuracy": target, "git_commit": git_commit(), "jax_version": jax.__version__,
              "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -329,8 +324,21 @@ def resummarise(results: dict, root: str) -> dict:
 
 def write_benchmark(path: str, results: dict) -> None:
   """A benchmark's `results` as JSON, with the command, commit and machine that produced them."""
-  write_json(path, {**results, "command": " ".join(["python", *sys.argv]), "git_commit": git_commit(),
+  write_json(path, {**results, "command": command_line(), "git_commit": git_commit(),
                     **provenance()})
+
+
+def command_line() -> str:
+  """This process's command as a user types it from the repository root (`python -m experiments.<name> ...`)."""
+  spec = getattr(sys.modules["__main__"], "__spec__", None)
+  program = ["-m", spec.name] if spec is not None and spec.name else [os.path.relpath(sys.argv[0], ROOT)]
+  return " ".join(["python", *program, *sys.argv[1:]])
+
+
+def beside(script: str, suffix: str = ".json") -> str:
+  """Where a benchmark keeps its results: beside its script, under the script's name
+  (`experiments/bench_rollout.py` -> `experiments/bench_rollout.json`)."""
+  return os.path.splitext(os.path.abspath(script))[0] + suffix
 
 
 def write_json(path: str, value) -> None:
@@ -342,7 +350,7 @@ def write_json(path: str, value) -> None:
 
 # --- rendering: tables and figures from the JSON, never typed by hand -----------------------------------
 
-def _fmt(stat, digits=3) -> str:
+def fmt(stat, digits=3) -> str:
   """mean ± half-width of the 95% interval over seeds (mean alone for one seed)."""
   if stat is None:
     return "–"
@@ -405,11 +413,11 @@ def table(results: dict, cells: list[str] | None = None, reference: str | None =
     a = entry["aggregate"]
     reached = a["updates_to_target"]
     to_target = "–" if reached is None else f"{reached['mean']:.0f} ({reached['n']}/{len(entry['runs'])})"
-    difference = f" {_fmt(paired_difference(results, name, reference))} |" if reference else ""
-    lines.append(f"| {name} | {len(entry['runs'])} | {_fmt(a['final_eval_accuracy'])} |{difference} "
-                 f"{_fmt(a['auc'])} | {_fmt(a['peak_to_final_drop'])} | {to_target} | {_collapses(entry)} | "
-                 f"{_fmt(a['mask_fraction_mean'], 4)} | {_fmt(a['ess_mean'])} | "
-                 f"{_fmt(a['staleness_mean'], 1)} |")
+    difference = f" {fmt(paired_difference(results, name, reference))} |" if reference else ""
+    lines.append(f"| {name} | {len(entry['runs'])} | {fmt(a['final_eval_accuracy'])} |{difference} "
+                 f"{fmt(a['auc'])} | {fmt(a['peak_to_final_drop'])} | {to_target} | {_collapses(entry)} | "
+                 f"{fmt(a['mask_fraction_mean'], 4)} | {fmt(a['ess_mean'])} | "
+                 f"{fmt(a['staleness_mean'], 1)} |")
   return "\n".join(lines)
 
 
@@ -439,40 +447,65 @@ def comparison_table(results: dict, cells: list[str], reference: str, baseline: 
     a = entry["aggregate"]
     def against(other, name=name):
       ran = other is not None and other != name and results["cells"].get(other, {}).get("runs")
-      return _fmt(paired_difference(results, name, other)) if ran else "–"
+      return fmt(paired_difference(results, name, other)) if ran else "–"
 
     p = "–"
     if baseline and baseline != name:
       p = f"{fisher_collapses(*collapsed(name), *collapsed(baseline)):.2f}"
-    lines.append(f"| {name} | {len(entry['runs'])} | {_fmt(a['final_eval_accuracy'])} | {against(reference)} | "
-                 f"{against(baseline)} | {_fmt(a['auc'])} | {_fmt(a['peak_to_final_drop'])} | "
-                 f"{_collapses(entry)} | {p} | {_fmt(a['mask_fraction_mean'], 4)} | {_fmt(a['ess_mean'])} |")
+    lines.append(f"| {name} | {len(entry['runs'])} | {fmt(a['final_eval_accuracy'])} | {against(reference)} | "
+                 f"{against(baseline)} | {fmt(a['auc'])} | {fmt(a['peak_to_final_drop'])} | "
+                 f"{_collapses(entry)} | {p} | {fmt(a['mask_fraction_mean'], 4)} | {fmt(a['ess_mean'])} |")
   return "\n".join(lines)
 
 
 def curves_figure(results: dict, path: str, groups: dict[str, list[str]]) -> None:
-  """Held-out accuracy against updates, mean ± std over seeds, one panel per group of cells."""
+  """Small multiples of held-out accuracy against updates: one row per group, one panel per cell after the
+  group's first (its reference, drawn dashed in every panel of the row); thin lines are seeds, the thick
+  line their mean, in the preset's colour (`figures.color_of`)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), sharey=True, squeeze=False)
-  for ax, (title, names) in zip(axes[0], groups.items()):
-    for name in names:
-      runs = results["cells"].get(name, {}).get("runs", {})
-      if not runs:
-        continue
-      curves = [dict(map(tuple, r["eval_curve"])) for r in runs.values()]
-      steps = sorted(set.intersection(*(set(c) for c in curves)))
-      values = np.array([[c[s] for s in steps] for c in curves])
-      mean, std = values.mean(0), values.std(0)
-      ax.plot(steps, mean, label=f"{name} (n={len(curves)})")
-      ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
-    ax.set_title(title)
-    ax.set_xlabel("update")
-    ax.grid(alpha=0.3)
-  axes[0][0].set_ylabel("held-out accuracy (greedy)")
-  axes[0][-1].legend(fontsize=7, loc="lower right")
-  fig.tight_layout()
+
+  def runs_of(name):
+    return [dict(map(tuple, r["eval_curve"])) for r in results["cells"].get(name, {}).get("runs", {}).values()]
+
+  def draw(ax, name, reference=False):
+    curves = runs_of(name)
+    if not curves:
+      return
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    values = np.array([[c[s] for s in steps] for c in curves])
+    color = "0.55" if reference else figures.color_of(name)
+    if not reference:
+      for row in values:
+        ax.plot(steps, row, color=color, lw=0.6, alpha=0.45)
+    ax.plot(steps, values.mean(0), color=color, lw=1.3 if reference else 2.0, ls="--" if reference else "-",
+            label=f"{name} (mean of {len(curves)})")
+
+  rows = {title: (names[0], [n for n in names[1:] if runs_of(n)]) for title, names in groups.items()}
+  rows = {title: row for title, row in rows.items() if row[1]}
+  columns = max([len(cells) for _, cells in rows.values()], default=1)
+  fig, axes = plt.subplots(max(len(rows), 1), columns, figsize=(2.6 * columns, 2.3 * max(len(rows), 1)),
+                           sharex=True, sharey=True, squeeze=False)
+  for ax in axes.flat:
+    ax.set_visible(False)
+  for row, (title, (reference, cells)) in zip(axes, rows.items()):
+    for ax, name in zip(row, cells):
+      ax.set_visible(True)
+      draw(ax, reference, reference=True)
+      draw(ax, name)
+      ax.set_title(f"{name}", fontsize=8, color=figures.color_of(name))
+      ax.tick_params(labelsize=7)
+      ax.grid(alpha=0.3)
+    row[0].set_ylabel(f"{title}\nheld-out accuracy", fontsize=7)
+  for ax in axes[-1]:
+    ax.set_xlabel("update", fontsize=7)
+  handles = [matplotlib.lines.Line2D([], [], color="0.55", ls="--", label="reference (first cell of the row)"),
+             matplotlib.lines.Line2D([], [], color="0.3", lw=2.0, label="cell: mean over seeds"),
+             matplotlib.lines.Line2D([], [], color="0.3", lw=0.6, alpha=0.6, label="cell: one seed")]
+  fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False,
+             bbox_to_anchor=(0.5, 0.0))
+  fig.tight_layout(rect=(0, 0.05, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 

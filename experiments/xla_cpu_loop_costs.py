@@ -1,6 +1,6 @@
 """What one step of a jitted `lax.scan` costs on XLA's CPU backend, by what the loop carries and writes.
 
-  python experiments/xla_cpu_loop_costs.py            # T = 16384 steps
+  python -m experiments.xla_cpu_loop_costs            # T = 16384 steps
 
 The estimator's speed on CPU (see `bench_estimators.py`) is bounded by these costs,
 not by its arithmetic. Every loop below runs x ← a_t + b_t · x over T steps of
@@ -17,7 +17,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_estimators import best_time
+
+from experiments.bench_estimators import best_time
 
 
 def recurrence(num_outputs, num_carries):

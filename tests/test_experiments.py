@@ -6,11 +6,9 @@ import numpy as np
 import pytest
 
 from copc_jax import estimators
+from experiments import bench_estimators
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-import bench_estimators  # noqa: E402
 
 
 def test_benchmark_numpy_loop_computes_the_same_advantages():
@@ -28,7 +26,7 @@ def test_benchmark_numpy_loop_computes_the_same_advantages():
 
 def test_benchmark_script_runs():
   result = subprocess.run(
-      [sys.executable, "experiments/bench_estimators.py", "--batch=4", "--lengths", "64",
+      [sys.executable, "-m", "experiments.bench_estimators", "--batch=4", "--lengths", "64",
        "--rounds=1", "--calls=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "scan/rlax" in result.stdout
@@ -37,7 +35,7 @@ def test_benchmark_script_runs():
 def test_learner_benchmark_runs_on_the_tiny_config(tmp_path):
   import json
   result = subprocess.run(
-      [sys.executable, "experiments/bench_learner.py", "--configs", "tiny", "--steps", "1",
+      [sys.executable, "-m", "experiments.bench_learner", "--configs", "tiny", "--steps", "1",
        f"--out={tmp_path / 'learner.json'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "estimator" in result.stdout and " tiny |" in result.stdout
@@ -50,7 +48,7 @@ def test_learner_benchmark_runs_on_the_tiny_config(tmp_path):
 def test_rollout_benchmark_runs_with_one_server(tmp_path):
   import json
   result = subprocess.run(
-      [sys.executable, "experiments/bench_rollout.py", "--hidden=64", "--layers=1", "--new-tokens=8",
+      [sys.executable, "-m", "experiments.bench_rollout", "--hidden=64", "--layers=1", "--new-tokens=8",
        "--rounds=1", "--servers", "1", "--decode-steps", "4", "--concurrent", "6",
        f"--out={tmp_path / 'rollout.json'}"], cwd=ROOT,
       capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""})
@@ -72,8 +70,7 @@ def test_rollout_benchmark_runs_with_one_server(tmp_path):
   assert costs["round_ms"] > 0 and costs["server_xla_compute_cpu_ms"] > 0 and costs["slot_steps_per_token"] >= 1
   readme = tmp_path / "README.md"
   readme.write_text("before\n<!-- rollout:begin -->\nold\n<!-- rollout:end -->\nafter\n")
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  import bench_rollout
+  from experiments import bench_rollout
   bench_rollout.render(str(tmp_path / "rollout.json"), str(readme))
   text = readme.read_text()
   assert "old" not in text and text.count("| 1 server(s) through gRPC") == 2 and "slot-steps per" in text
@@ -81,7 +78,7 @@ def test_rollout_benchmark_runs_with_one_server(tmp_path):
 
 
 def test_loop_cost_script_runs_and_its_recurrence_is_right():
-  import xla_cpu_loop_costs
+  from experiments import xla_cpu_loop_costs
   rng = np.random.default_rng(0)
   a, b = rng.random((20, 3), np.float32), rng.random((20, 3), np.float32)
   (x0,), (out,) = xla_cpu_loop_costs.recurrence(num_outputs=1, num_carries=1)(a, b)
@@ -92,7 +89,7 @@ def test_loop_cost_script_runs_and_its_recurrence_is_right():
   np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(x0), expected[0], rtol=1e-6)
   result = subprocess.run(
-      [sys.executable, "experiments/xla_cpu_loop_costs.py", "--length=64", "--lanes", "4",
+      [sys.executable, "-m", "experiments.xla_cpu_loop_costs", "--length=64", "--lanes", "4",
        "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "ns/lane-step" in result.stdout and result.stdout.count("\n    4 ") == 4
@@ -101,7 +98,7 @@ def test_loop_cost_script_runs_and_its_recurrence_is_right():
 def test_weight_push_benchmark_runs_every_transfer(tmp_path):
   import json
   result = subprocess.run(
-      [sys.executable, "experiments/bench_weight_push.py", "--config=tiny", "--servers", "1", "--rounds=1",
+      [sys.executable, "-m", "experiments.bench_weight_push", "--config=tiny", "--servers", "1", "--rounds=1",
        f"--out={tmp_path / 'push.json'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
       env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-2000:]
@@ -110,8 +107,7 @@ def test_weight_push_benchmark_runs_every_transfer(tmp_path):
   assert "| 1 |" in result.stdout and row["path_share_of_step"] > 0     # learner.json has the tiny step
   readme = tmp_path / "README.md"
   readme.write_text("<!-- weight_push:begin -->\n<!-- weight_push:end -->\n")
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  import bench_weight_push
+  from experiments import bench_weight_push
   bench_weight_push.render(str(tmp_path / "push.json"), str(readme))
   assert "| 1 | " in readme.read_text() and "its share of the step" in readme.read_text()
 
@@ -121,10 +117,9 @@ def test_peer_benchmark_times_our_side_and_its_peer_script_splits_steps(tmp_path
   (Tunix itself lives in its own environment, experiments/peer/requirements.txt)."""
   import argparse
   import json
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  sys.path.insert(0, os.path.join(ROOT, "experiments", "peer"))
-  import bench_peer
-  import tunix_ppo
+
+  from experiments import bench_peer
+  from experiments.peer import tunix_ppo
 
   calls = [("rollout_s", 0.0, 1.0, 10), ("forward_s", 1.0, 1.5), ("update_s", 1.5, 3.0),     # warm-up step
            ("rollout_s", 3.0, 3.2, 12), ("forward_s", 3.2, 3.3), ("update_s", 3.3, 3.8),
@@ -161,7 +156,7 @@ def test_peer_benchmark_times_our_side_and_its_peer_script_splits_steps(tmp_path
   assert "ratio" not in result["summary"]["weight_sync_s"]            # the peer has none: no ratio
   record = {**result, "peer": {"version": "0.1.7", "jax": "0.10.2"}, "parameters": 10 ** 5, "prompts": 4,
             "prompt_length": 8, "new_tokens": 4, "epochs": 2, "repeats_run": 1, "steps": 2, "warmup": 1,
-            "git_commit": "0" * 40, "command": "python experiments/bench_peer.py",
+            "git_commit": "0" * 40, "command": "python -m experiments.bench_peer",
             "peak_memory_gib": {"copc_jax_learner_process": 1.0, "copc_jax_server": 0.5, "peer": 1.0}}
   (tmp_path / "peer.json").write_text(json.dumps(record))
   readme = tmp_path / "README.md"

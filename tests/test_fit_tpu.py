@@ -2,9 +2,8 @@
 same at full size): a 2-layer learner step and the server's decode for v5e:2x2, the compiler's memory
 plan checked against a hand count of what the step's arguments are."""
 
-import importlib.util
+import importlib
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +25,7 @@ SMALL = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num
 
 @pytest.fixture(scope="module")
 def fit_tpu():
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  spec = importlib.util.spec_from_file_location("fit_tpu", os.path.join(ROOT, "experiments", "fit_tpu.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module("experiments.fit_tpu")
 
 
 def test_a_two_layer_learner_step_compiles_for_v5e_and_its_plan_matches_a_hand_count(fit_tpu):

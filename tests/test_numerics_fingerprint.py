@@ -9,10 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from experiments import numerics_fingerprint
 
-import numerics_fingerprint  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
@@ -21,12 +20,12 @@ def test_the_default_configs_numerics_match_the_recorded_fingerprint(tmp_path):
   with open(numerics_fingerprint.FIXTURE) as f:
     recorded = json.load(f)
   out = tmp_path / "fingerprint.json"
-  result = subprocess.run([sys.executable, "experiments/numerics_fingerprint.py", f"--out={out}"], cwd=ROOT,
+  result = subprocess.run([sys.executable, "-m", "experiments.numerics_fingerprint", f"--out={out}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900, env={**os.environ, "XLA_FLAGS": ""})
   assert result.returncode == 0, result.stderr[-3000:]
   got = json.loads(out.read_text())
   advice = ("the training numerics changed: if this commit means to change them, rerun "
-            "`python experiments/numerics_fingerprint.py --update`, say why in the commit, and regenerate "
+            "`python -m experiments.numerics_fingerprint --update`, say why in the commit, and regenerate "
             "the README numbers it moves (experiments/default_run_seeds.py); if not, find what moved")
   if got["jax_version"] != recorded["jax_version"]:
     advice += f" (recorded with jax {recorded['jax_version']}, this is {jax.__version__})"

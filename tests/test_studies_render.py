@@ -1,6 +1,6 @@
 """Every study's README shows exactly what its committed results JSON renders to."""
 
-import importlib.util
+import importlib
 import json
 import os
 import random
@@ -15,11 +15,7 @@ STUDIES = ["exact_decomposition", "advantage_staleness", "presets_across_stalene
 
 
 def load(study):
-  path = os.path.join(ROOT, "experiments", study, "run.py")
-  spec = importlib.util.spec_from_file_location(f"{study}_run", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module(f"experiments.{study}.run")
 
 
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
@@ -56,7 +52,7 @@ def test_joint_sweep_broad_region_and_cells(tmp_path):
   assert cells[1].overrides == {"preset": "decoupled_ppo", "actor.weight_cap": 2.0, "estimator.lam": 1.0}
   assert [module.output_name(False, 16, False), module.output_name(True, 64, False),
           module.output_name(False, 16, True)] == ["results", "results_full_k64", "policy_side"]
-  import study
+  from experiments import study
   run = lambda a: {"0": {"eval_curve": [(0, 0.5), (80, a)], "final_eval_accuracy": a, "auc": a,
                          "peak_to_final_drop": 0, "updates_to_target": None, "mask_fraction_mean": 0,
                          "ess_mean": 1, "staleness_mean": 16, "reward_last_10": a}}
@@ -114,7 +110,7 @@ def test_step_time_ratios_and_render(tmp_path):
 
 def test_search_stability_cells_and_render(tmp_path):
   module = load("search_stability")          # puts experiments/ on the path
-  import study
+  from experiments import study
   assert [c.name for c in module.cells(("copc",), (16, 64))] == ["sync_ppo_k0", "copc_k16", "copc_k64"]
   candidate = module.cells(("copc_nomask_vtrace_pg",), (16,))[1]
   assert candidate.overrides["preset"] == "copc_spec"
@@ -158,7 +154,7 @@ def test_the_copc_preset_is_the_setting_the_evidence_picked():
   if not os.path.exists(path):
     pytest.skip("experiments/copc_default has no committed results.json yet")
   module = load("copc_default")
-  import study
+  from experiments import study
   with open(path) as f:
     pick = json.load(f)["choice"]["pick"]
   assert pick, "the committed evidence picks no setting"
@@ -168,7 +164,7 @@ def test_the_copc_preset_is_the_setting_the_evidence_picked():
 
 
 def test_the_comparison_table_pairs_seeds_against_the_best_baseline():
-  import study
+  from experiments import study
   run = lambda curve: {"eval_curve": curve, "final_eval_accuracy": curve[-1][1], "auc": 0.5,
                        "peak_to_final_drop": 0, "updates_to_target": None, "mask_fraction_mean": 0,
                        "ess_mean": 1, "staleness_mean": 64, "reward_last_10": 0}

@@ -3,15 +3,14 @@
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from experiments import study
 
-import study  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 TINY = {"trainer.steps": 2, "trainer.batch_size": 8, "trainer.eval_every": 2, "trainer.checkpoint_every": 2,
         "task.train_size": 64, "task.eval_size": 8, "warm_start.steps": 5, "warm_start.batch_size": 8,

@@ -36,7 +36,7 @@ def test_advantage_staleness_end_to_end(tmp_path, monkeypatch):
   for token in results["seeds"]["0"]["lags"]["1"]["tokens"]:
     assert token["mc_variance"] >= 0 and set(token["estimators"]) == set(names)
 
-  command = [sys.executable, "experiments/advantage_staleness/run.py", "--seeds", "0", "--lags", "0", "1",
+  command = [sys.executable, "-m", "experiments.advantage_staleness.run", "--seeds", "0", "--lags", "0", "1",
              "--episodes", "2", "--mc", "2", "--updates", "2", "--warm_start_steps", "5", "--resamples", "50",
              "--root", str(out.parent), "--out", str(out)]          # the notebook's smoke command
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -53,7 +53,7 @@ def test_advantage_staleness_end_to_end(tmp_path, monkeypatch):
 def test_exact_decomposition_end_to_end(tmp_path):
   """One tree per drift: on-policy every method is unbiased, and unclipped COPC is at every drift."""
   out = tmp_path / "exact.json"
-  result = subprocess.run([sys.executable, "experiments/exact_decomposition/run.py", "--trees", "1",
+  result = subprocess.run([sys.executable, "-m", "experiments.exact_decomposition.run", "--trees", "1",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   rows = json.loads(out.read_text())["rows"]

@@ -155,6 +155,11 @@ def _sandbox_uid() -> int:
   return NOBODY if os.geteuid() == 0 else os.geteuid()
 
 
+def sandbox_interpreter() -> str:
+  """The Python interpreter that sandboxed code runs with (for comparing against a bare start)."""
+  return _interpreter(_sandbox_uid())[1]
+
+
 def bwrap_command(code_fd: int, seccomp_fd: int, *, launcher: str, disk_bytes: int, uid: int) -> list[str]:
   """The bubblewrap command line of one run (see the module docstring for what each part is for)."""
   prefix, executable = _interpreter(uid)

@@ -1,8 +1,8 @@
 """Study: advantage staleness on the real task, against Monte-Carlo advantages of the current policy.
 
-  python experiments/advantage_staleness/run.py              # seeds 0 1 2, lags 0 1 4 16 64, M = 8
-  python experiments/advantage_staleness/run.py --seeds 3    # one more seed (finished seeds are kept)
-  python experiments/advantage_staleness/run.py --render     # table and figure from results.json
+  python -m experiments.advantage_staleness.run              # seeds 0 1 2, lags 0 1 4 16 64, M = 8
+  python -m experiments.advantage_staleness.run --seeds 3    # one more seed (finished seeds are kept)
+  python -m experiments.advantage_staleness.run --render     # table and figure from results.json
 
 1. Per seed, a lag-64 COPC run of the default task (`--updates` updates from the shared warm start of
    that seed) leaves the learner at version U and keeps the weights of versions U − 64 … U.
@@ -25,29 +25,40 @@ opens between them as k grows is the correction of staleness.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
-import sys
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from copc_jax import estimators, presets
+from copc_jax.envs import data
+from copc_jax.rollout import agent
+from copc_jax.rollout.pool import RolloutPool
+from copc_jax.rollout.protocol import WeightUpdate
+from copc_jax.sampling import token_logprobs_and_entropy
+from copc_jax.train import trainer
+from copc_jax.train.batch import TrajectoryBatch
+from copc_jax.train.episodes import EpisodeRunner
+from copc_jax.train.episodes import collect as collect_episodes
+from copc_jax.train.learner import state_values
+from experiments import figures, study
 
-import study  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 LAGS = (0, 1, 4, 16, 64)
+# the preset whose colour an estimator's curves take (GAE is decoupled PPO's estimator)
+ESTIMATOR_PRESET = {"GAE": "decoupled_ppo", "V-trace": "vtrace", "COPC": "copc"}
 SEEDS = (0, 1, 2)
 
 
 def estimators_compared():
-  import dataclasses
 
-  from copc_jax import presets
   copc = presets.get_preset("copc").estimator
   gae = presets.get_preset("decoupled_ppo").estimator
   return {"GAE (no correction)": gae,
@@ -69,7 +80,6 @@ def chosen_positions(trajectory, rng: random.Random, extra: int = 1) -> list[int
 
 def mc_advantage(runner, episode, index: int, m: int, key) -> dict:
   """Q̂ from M continuations with a_t, V̂ from M without; the estimate and its noise variance."""
-  from copc_jax.rollout import agent
   with_action, without = agent.prefix(episode.trajectory, index + 1), agent.prefix(episode.trajectory, index)
   play = lambda start, tag, j: runner.continue_from(start, episode.record,
                                                     seed=agent.request_seed(*key, tag, j)).trajectory.reward
@@ -82,16 +92,6 @@ def mc_advantage(runner, episode, index: int, m: int, key) -> dict:
 
 def measure_seed(args, seed: int) -> dict:
   """One learner (a lag-max(lags) run of `seed`): per lag, the behaviour episodes and the MC targets."""
-  from copc_jax import estimators
-  from copc_jax.envs import data
-  from copc_jax.rollout.pool import RolloutPool
-  from copc_jax.rollout.protocol import WeightUpdate
-  from copc_jax.sampling import token_logprobs_and_entropy
-  from copc_jax.train import trainer
-  from copc_jax.train.batch import TrajectoryBatch
-  from copc_jax.train.episodes import EpisodeRunner
-  from copc_jax.train.episodes import collect as collect_episodes
-  from copc_jax.train.learner import state_values
 
   config, lags = "configs/default.py", sorted(args.lags)
   overrides = {"preset": "copc", "trainer.mode": "lag", "trainer.lag": max(lags), "trainer.steps": args.updates,
@@ -165,7 +165,6 @@ def pooled(per_seed: dict, resamples: int = 2000) -> dict:
 
 def measure(args, results: dict) -> dict:
   """Run every seed not in `results` yet (writing after each); then pool."""
-  import jax
   args.common = {"warm_start.steps": args.warm_start_steps} if args.warm_start_steps is not None else {}
   per_seed = results.setdefault("seeds", {})
   for seed in args.seeds:
@@ -218,6 +217,7 @@ def render(results: dict, here: str = HERE) -> None:
   lags = sorted(results["lags"], key=int)
   names = list(results["lags"][lags[0]]["metrics"])
   fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+  styles = figures.line_styles(names, {n: ESTIMATOR_PRESET.get(n.split(" ")[0], n) for n in names})
   for offset, name in enumerate(names):
     for ax, key in zip(axes, ("bias", "mse", "correlation"), strict=True):
       stats = [results["lags"][k]["metrics"][name][key] for k in lags]
@@ -225,12 +225,12 @@ def render(results: dict, here: str = HERE) -> None:
       value = np.array([s["value"] for s in stats])
       low = value - np.array([s["ci95"][0] for s in stats])
       high = np.array([s["ci95"][1] for s in stats]) - value
-      ax.errorbar(x, value, yerr=[low, high], marker="o", capsize=3, label=name)
+      ax.errorbar(x, value, yerr=[low, high], marker="o", capsize=3, label=name, **styles[name])
       ax.set_xticks(np.arange(len(lags)), [f"k = {k}" for k in lags])
       ax.set_title({"bias": "bias E[Â − A^π]", "mse": "MSE E[(Â − A^π)²] (MC noise removed)",
                     "correlation": "correlation with A^π"}[key])
       ax.grid(alpha=0.3)
-  axes[2].legend(fontsize=7)
+  figures.legend_outside(axes[2])
   fig.tight_layout()
   fig.savefig(os.path.join(here, "advantage_error.png"), dpi=110)
   plt.close(fig)

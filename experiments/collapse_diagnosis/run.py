@@ -1,8 +1,8 @@
 """Study: what separates the runs that collapse at lag 64 from those that do not.
 
-  python experiments/collapse_diagnosis/run.py --task search                 # every cell, seeds 0 1 2
-  python experiments/collapse_diagnosis/run.py --task search --cells vtrace copc_anchor_behavior
-  python experiments/collapse_diagnosis/run.py --task search --render        # tables and figure from JSON
+  python -m experiments.collapse_diagnosis.run --task search                 # every cell, seeds 0 1 2
+  python -m experiments.collapse_diagnosis.run --task search --cells vtrace copc_anchor_behavior
+  python -m experiments.collapse_diagnosis.run --task search --render        # tables and figure from JSON
 
 Lag mode at k = 64 (every batch from the weights 64 updates old; the first 64 updates all train on the
 warm start's data), the learner as the field runs it (4 minibatches per batch, 10 critic warm-up
@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from experiments import study
 
-import study  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 INF = float("inf")
 TASKS = {"search": ("configs/search.py", 0.6), "tool_arithmetic": ("configs/default.py", 0.8)}
@@ -133,7 +131,7 @@ def diagnosis(results: dict) -> dict:
 
 
 def table(results: dict, readings: dict) -> str:
-  f = study._fmt
+  f = study.fmt
   lines = ["| cell | seeds | final accuracy | − vtrace (paired) | AUC | collapsed | Fisher p vs vtrace | "
            "KL(μ‖π) in the lag window | entropy max (window) | clip fraction | value EV (window median) | "
            "EV after critic warm-up |",

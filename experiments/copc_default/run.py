@@ -1,7 +1,7 @@
 """Which setting the `copc` preset ships with, chosen from the studies' committed results.
 
-  python experiments/copc_default/run.py            # reads the studies' JSON, writes results.json and README
-  python experiments/copc_default/run.py --render   # README from the committed results.json
+  python -m experiments.copc_default.run            # reads the studies' JSON, writes results.json and README
+  python -m experiments.copc_default.run --render   # README from the committed results.json
 
 Nothing is rerun here. The evidence is every (task, staleness) cell in which the studies ran COPC:
 
@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
+from experiments import figures, study
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPERIMENTS = os.path.dirname(HERE)
-sys.path.insert(0, EXPERIMENTS)
-
-import study  # noqa: E402
 
 SPEC = "copc_spec"      # the spec's setting (a preset): the cell named `copc_k{lag}` in each study
 EVIDENCE = (  # (cell label, task, lag, results file relative to experiments/)
@@ -90,14 +88,15 @@ def figure(results: dict, path: str) -> None:
     stats = [cell["candidates"].get(name) if name in names else cell["best_preset"]
              for cell in results["cells"].values()]
     x = np.arange(len(labels)) + (i - len(names) / 2) * width
-    ax.bar(x, [s["mean"] if s else np.nan for s in stats], width,
-           yerr=[(s["std"] or 0) if s else 0 for s in stats],
-           label=name, color="0.6" if name not in names else None, capsize=2)
+    bars = ax.bar(x, [s["mean"] if s else np.nan for s in stats], width,
+                  yerr=[(s["std"] or 0) if s else 0 for s in stats],
+                  label=name, color="0.6" if name not in names else figures.color_of(name), capsize=2)
+    figures.label_bars(ax, bars)
   ax.set_xticks(np.arange(len(labels)), labels, fontsize=8)
   ax.set_ylabel("final held-out accuracy")
   ax.set_ylim(0, 1)
   ax.grid(alpha=0.3, axis="y")
-  ax.legend(fontsize=7, ncol=2)
+  figures.legend_outside(ax)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -108,7 +107,7 @@ def render(results: dict, here: str = HERE) -> None:
   rows = [f"| evidence | {names} | best preset at this lag |",
           "|---|" + "---:|" * (len(results["candidates"]) + 1)]
   for label, cell in results["cells"].items():
-    values = [study._fmt(cell["candidates"].get(c)) for c in results["candidates"]]
+    values = [study.fmt(cell["candidates"].get(c)) for c in results["candidates"]]
     best = cell["best_preset"]
     best = f"{best['cell']} {best['mean']:.3f} ± {best['std']:.3f}" if best else "not run yet"
     rows.append(f"| {label} | " + " | ".join(values) + f" | {best} |")

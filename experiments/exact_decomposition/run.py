@@ -1,7 +1,7 @@
 """Study: the exact two-channel decomposition of every preset's actor gradient, on random tree MDPs.
 
-  python experiments/exact_decomposition/run.py            # 8 trees (K = 3, D = 6) × 5 drifts × 2 critics
-  python experiments/exact_decomposition/run.py --render   # table and figures from results.json
+  python -m experiments.exact_decomposition.run            # 8 trees (K = 3, D = 6) × 5 drifts × 2 critics
+  python -m experiments.exact_decomposition.run --render   # table and figures from results.json
 
 Every number is exact (a μ-weighted sum over all 729 trajectories of each tree, `copc_jax.exact_mdp`);
 the spread is over random trees. "Relative" means divided by ‖g*‖, the per-token importance-sampled
@@ -14,16 +14,15 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
+import jax
 import numpy as np
 
+from copc_jax import exact_mdp, presets
+from experiments import figures, study
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
-import study  # noqa: E402
-
-from copc_jax import exact_mdp, presets  # noqa: E402
 
 DRIFTS = (0.0, 0.25, 0.5, 1.0, 2.0)
 CRITICS = {"V of μ": 0.0, "V halfway from μ to π": 0.5}
@@ -80,19 +79,20 @@ def render(results: dict, here: str = HERE) -> None:
   rows = results["rows"]
   names = list(dict.fromkeys(r["method"] for r in rows.values()))
   fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+  styles = figures.line_styles(names)
   for name in names:
     panels = ((axes[0], "bias_total", "V of μ"), (axes[1], "bias_total", "V halfway from μ to π"),
               (axes[2], "relative_mse_n64", "V of μ"))
     for ax, key, critic in panels:
       points = [(r["drift"], r[key]["mean"]) for r in rows.values()
                 if r["method"] == name and r["critic"] == critic]
-      ax.plot(*zip(*points), marker="o", label=name)
+      ax.plot(*zip(*points), marker="o", label=name, **styles[name])
       ax.set_title(f"{key.replace('_', ' ')} ({critic})")
       ax.set_xlabel("drift of μ from π (logit noise)")
       ax.set_yscale("symlog", linthresh=1e-2)
       ax.grid(alpha=0.3)
   axes[0].set_ylabel("relative to ‖g*‖")
-  axes[2].legend(fontsize=7)
+  figures.legend_outside(axes[2])
   fig.tight_layout()
   fig.savefig(os.path.join(here, "bias_and_mse.png"), dpi=110)
   plt.close(fig)
@@ -125,7 +125,6 @@ def main():
   args = parser.parse_args()
   out = args.out
   if not args.render:
-    import jax
     results = {"description": "exact two-channel decomposition on K = 3, D = 6 tree MDPs",
                "num_trees": args.trees, "drifts": DRIFTS, "critics": CRITICS, "sample_sizes": SAMPLE_SIZES,
                "git_commit": study.git_commit(), "jax_version": jax.__version__,

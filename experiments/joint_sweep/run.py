@@ -1,10 +1,10 @@
 """Study: joint sweep of COPC's two channels (mask half-width h × advantage clip ρ̄), exact and in RL.
 
-  python experiments/joint_sweep/run.py --exact     # the exact tree MDP, 6 × 6 (and a policy-side grid)
-  python experiments/joint_sweep/run.py             # RL, lag k = 16: 3 × 3 cells × 2 seeds, 80 updates
-  python experiments/joint_sweep/run.py --full      # RL: 6 × 6 × 3 seeds, 300 updates (--lag 64 too)
-  python experiments/joint_sweep/run.py --policy_side   # RL, the policy-side grid: w_max × λ, 3 × 3 × 2
-  python experiments/joint_sweep/run.py --render    # tables and heatmaps from the JSON files
+  python -m experiments.joint_sweep.run --exact     # the exact tree MDP, 6 × 6 (and a policy-side grid)
+  python -m experiments.joint_sweep.run             # RL, lag k = 16: 3 × 3 cells × 2 seeds, 80 updates
+  python -m experiments.joint_sweep.run --full      # RL: 6 × 6 × 3 seeds, 300 updates (--lag 64 too)
+  python -m experiments.joint_sweep.run --policy_side   # RL, the policy-side grid: w_max × λ, 3 × 3 × 2
+  python -m experiments.joint_sweep.run --render    # tables and heatmaps from the JSON files
 
 RL results go to `results.json` (COPC grid) or `policy_side.json`, with `_full` for `--full` and
 `_k<lag>` for a lag other than 16.
@@ -23,17 +23,15 @@ import dataclasses
 import glob
 import json
 import os
-import sys
 import tempfile
 
 import numpy as np
 
+from copc_jax import exact_mdp, presets
+from experiments import figures, study
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
-import study  # noqa: E402
-
-from copc_jax import exact_mdp, presets  # noqa: E402
 
 INF = 1e9
 FULL_VALUES = (1.25, 1.5, 2.0, 3.0, 5.0, INF)
@@ -134,14 +132,8 @@ def rl_cells(values) -> list[study.Cell]:
 
 
 def heatmap(ax, values, rows, columns, title, fmt="{:.2f}", cmap="viridis"):
-  image = ax.imshow(np.asarray(values, float), cmap=cmap)
-  ax.set_xticks(range(len(columns)), [label(c) if c >= 1 else f"{c:g}" for c in columns])
-  ax.set_yticks(range(len(rows)), [label(r) for r in rows])
-  for i in range(len(rows)):
-    for j in range(len(columns)):
-      ax.text(j, i, fmt.format(values[i][j]), ha="center", va="center", color="w", fontsize=7)
-  ax.set_title(title, fontsize=9)
-  return image
+  return figures.heatmap(ax, values, [label(r) for r in rows],
+                         [label(c) if c >= 1 else f"{c:g}" for c in columns], title, fmt=fmt, cmap=cmap)
 
 
 def render_exact(results: dict, here: str = HERE) -> None:

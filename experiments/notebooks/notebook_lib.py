@@ -8,7 +8,7 @@ figures and table from its committed JSON, and a run of the main job with a live
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import inspect
 import io
 import json
@@ -22,9 +22,8 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
-for _path in (ROOT, EXPERIMENTS):
-  if _path not in sys.path:
-    sys.path.insert(0, _path)
+if ROOT not in sys.path:             # a notebook's kernel starts in experiments/notebooks/ (or in Colab)
+  sys.path.insert(0, ROOT)
 
 # On a GPU the notebook's kernel, the learner and the servers are separate processes on one device: each
 # takes memory as it needs it instead of XLA's default of 75% at start (set before JAX is imported).
@@ -69,11 +68,8 @@ def server_platform(backend: str) -> str:
 
 
 def load_study(name: str):
-  """`experiments/<name>/run.py` as a module."""
-  spec = importlib.util.spec_from_file_location(f"{name}_run", os.path.join(EXPERIMENTS, name, "run.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """`experiments/<name>/run.py` as a module (`experiments.<name>.run`)."""
+  return importlib.import_module(f"experiments.{name}.run")
 
 
 def study_results(name: str, json_name: str = "results") -> dict:

@@ -1,9 +1,9 @@
 """Study: presets across controlled staleness (lag mode), held-out accuracy curves over seeds.
 
-  python experiments/presets_across_staleness/run.py            # default grid, about an hour here
-  python experiments/presets_across_staleness/run.py --full     # 6 presets × k ∈ {4, 16, 64}, 3 seeds
-  python experiments/presets_across_staleness/run.py --full --cells sync_ppo_k0 copc_k64   # part of it
-  python experiments/presets_across_staleness/run.py --rerun --cells sync_ppo_k0 copc_k64  # the new learner
+  python -m experiments.presets_across_staleness.run            # default grid, about an hour here
+  python -m experiments.presets_across_staleness.run --full     # 6 presets × k ∈ {4, 16, 64}, 3 seeds
+  python -m experiments.presets_across_staleness.run --full --cells sync_ppo_k0 copc_k64   # part of it
+  python -m experiments.presets_across_staleness.run --rerun --cells sync_ppo_k0 copc_k64  # the new learner
 
 `--rerun` is the study on the learner as the field runs it (the task config's defaults: 4 minibatches
 per batch, critic warm-up, centred whitening): sync PPO at k = 0, then every preset at k = 64 and 16,
@@ -12,7 +12,7 @@ stable reading), the group presets at 4 samples per prompt; 4 seeds, 300 updates
 gives 95% t intervals over seeds, paired differences against sync PPO and against the best baseline
 at that lag (the non-COPC cell with the highest mean final accuracy), and Fisher exact tests of the
 collapse counts.
-  python experiments/presets_across_staleness/run.py --render   # tables and figures from results.json
+  python -m experiments.presets_across_staleness.run --render   # tables and figures from results.json
 
 Resumable: finished cells are read, not rerun (workdirs under --root). The grid, the seeds and
 the updates per cell are stated in results.json next to every number.
@@ -21,16 +21,15 @@ the updates per cell are stated in results.json next to every number.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import sys
 import tempfile
 
+from copc_jax import presets
+from experiments import study
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
-import study  # noqa: E402
-
-from copc_jax import presets  # noqa: E402
 
 CANDIDATES = study.CANDIDATES
 DEFAULT = dict(presets=("async_ppo", "decoupled_ppo", "copc"), lags=(4, 16), seeds=(0, 1, 2), steps=80)
@@ -116,7 +115,6 @@ def main():
   name = "results_rerun" if args.rerun else "results_full" if args.full else "results"
   out = os.path.join(HERE, f"{name}.json")
   if args.render:
-    import json
     with open(out) as f:
       render(json.load(f), name=name)
     return

@@ -1,8 +1,8 @@
 """Study: stability of the asynchronous presets on knowledge search, over long lag-mode runs.
 
-  python experiments/search_stability/run.py              # sync PPO + 5 presets × k ∈ {16, 64} × 2 seeds
-  python experiments/search_stability/run.py --cells copc_k16 vtrace_k16   # part of the grid
-  python experiments/search_stability/run.py --render                 # tables and figures from results.json
+  python -m experiments.search_stability.run              # sync PPO + 5 presets × k ∈ {16, 64} × 2 seeds
+  python -m experiments.search_stability.run --cells copc_k16 vtrace_k16   # part of the grid
+  python -m experiments.search_stability.run --render                 # tables and figures from results.json
 
 The task (`configs/search.py`): half of each 2-hop question's demonstrations chain the second search
 and half stop after the first and guess (`task.demo_chain_fraction = 0.5`), so the warm-started policy
@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from experiments import figures, study
 
-import study  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 PRESETS = ("async_ppo", "decoupled_ppo", "icepop", "vtrace", "copc")
 LAGS = (16, 64)
@@ -62,6 +60,8 @@ def figure(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt
   lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()} - {0})   # 0: in every row
   fig, axes = plt.subplots(len(lags), 4, figsize=(18, 3.4 * len(lags)), squeeze=False)
+  styles = figures.line_styles([n.rsplit("_k", 1)[0] for n in results["cells"]])
+  styles = {n: styles[n.rsplit("_k", 1)[0]] for n in results["cells"]}
   for row, lag in zip(axes, lags, strict=True):
     for name, entry in results["cells"].items():
       if entry["overrides"]["trainer.lag"] not in (0, lag) or not entry["runs"]:
@@ -70,16 +70,16 @@ def figure(results: dict, path: str) -> None:
       curves = [dict(map(tuple, r["eval_curve"])) for r in runs]
       steps = sorted(set.intersection(*(set(c) for c in curves)))
       row[0].plot(steps, np.mean([[c[s] for s in steps] for c in curves], 0), marker=".",
-                  label=f"{name} (n={len(runs)})")
+                  label=f"{name} (n={len(runs)})", **styles[name])
       for ax, (key, _) in zip(row[1:], SERIES, strict=True):
         length = min(len(r["series"][key]) for r in runs)
         ax.plot(np.arange(1, length + 1), np.nanmean([smooth(r["series"][key][:length]) for r in runs], 0),
-                label=name)
+                label=name, **styles[name])
     for ax, title in zip(row, ["held-out accuracy (greedy)"] + [t for _, t in SERIES], strict=True):
       ax.set_title(f"k = {lag}: {title}", fontsize=9)
       ax.set_xlabel("update")
       ax.grid(alpha=0.3)
-    row[0].legend(fontsize=7)
+    figures.legend_outside(row[-1])
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

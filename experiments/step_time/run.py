@@ -1,7 +1,7 @@
 """Study: step time of sync PPO, async PPO and async COPC across tool-latency and response-length regimes.
 
-  python experiments/step_time/run.py                 # 6 regimes × 3 methods × 20 updates, ~40 min here
-  python experiments/step_time/run.py --render        # table and figure from results.json
+  python -m experiments.step_time.run                 # 6 regimes × 3 methods × 20 updates, ~40 min here
+  python -m experiments.step_time.run --render        # table and figure from results.json
 
 Every method trains the config's tiny model from one shared warm start against two local
 JetStream servers (`bench_step_time.run_method`); the step time is the mean over updates 4 … N
@@ -22,16 +22,13 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from experiments import bench_step_time, figures, study
 
-import bench_step_time  # noqa: E402
-import study  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 REGIMES = {                    # name: (config, added tool latency's median (s), its log-normal σ)
     "none": ("default", 0.0, 0.0), "0.1 s": ("default", 0.1, 0.25), "0.5 s": ("default", 0.5, 0.25),
@@ -110,17 +107,21 @@ def render(results: dict, here: str = HERE) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
   x = np.arange(len(names))
   for offset, (key, label) in enumerate((("async_ppo_speedup", "async PPO"), ("copc_speedup", "async COPC"))):
-    axes[0].bar(x + 0.4 * offset - 0.2, [ratios(results["regimes"][n])[key] for n in names], 0.4, label=label)
+    bars = axes[0].bar(x + 0.4 * offset - 0.2, [ratios(results["regimes"][n])[key] for n in names], 0.4,
+                       label=label, color=figures.color_of("async_ppo" if offset == 0 else "copc"))
+    figures.label_bars(axes[0], bars)
   axes[0].axhline(1.0, color="k", lw=0.8)
   axes[0].set_title("speedup of the step over sync PPO")
-  axes[1].bar(x, [100 * ratios(results["regimes"][n])["copc_overhead"] for n in names], 0.5, color="C2")
+  bars = axes[1].bar(x, [100 * ratios(results["regimes"][n])["copc_overhead"] for n in names], 0.5,
+                     color=figures.color_of("copc"))
+  figures.label_bars(axes[1], bars, fmt="{:+.1f}")
   axes[1].axhline(0.0, color="k", lw=0.8)
   axes[1].set_title("COPC's step time over async PPO (%)")
   for ax in axes:
     ax.set_xticks(x, [n.replace(", ", ",\n").replace(" (", "\n(") for n in names], fontsize=8)
-    ax.set_xlabel("regime (added tool latency's median, or the search task's spread lengths)")
     ax.grid(alpha=0.3, axis="y")
-  axes[0].legend(fontsize=8)
+  figures.legend_outside(axes[0])
+  fig.supxlabel("regime (added tool latency's median, or the search task's spread lengths)", fontsize=9)
   fig.tight_layout()
   fig.savefig(os.path.join(here, "speedup.png"), dpi=110)
   plt.close(fig)

@@ -43,7 +43,7 @@ def test_demonstrations_earn_full_reward_and_the_tokenizer_covers_them():
 @pytest.mark.skipif(sandbox.unavailable_reason() is not None and os.geteuid() != 0,
                     reason="the sandbox needs bubblewrap (setup.sh installs it as root)")
 def test_oracle_script_shows_the_tool_is_needed():
-  result = subprocess.run([sys.executable, "experiments/oracle_tasks.py"], cwd=ROOT, capture_output=True,
+  result = subprocess.run([sys.executable, "-m", "experiments.oracle_tasks"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   rows = {line.split()[0] + line.split()[1]: line.split()[-2:] for line in result.stdout.splitlines()[1:]}

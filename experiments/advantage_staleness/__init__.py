@@ -1,0 +1,1 @@
+"""advantage_staleness: see README.md beside this file."""

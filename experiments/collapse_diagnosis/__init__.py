@@ -1,0 +1,1 @@
+"""collapse_diagnosis: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""copc_default: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""exact_decomposition: see README.md beside this file."""

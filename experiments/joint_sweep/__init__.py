@@ -1,0 +1,1 @@
+"""joint_sweep: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""presets_across_staleness: see README.md beside this file."""

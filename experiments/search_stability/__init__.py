@@ -1,0 +1,1 @@
+"""search_stability: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""step_time: see README.md beside this file."""
