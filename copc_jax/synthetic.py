@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from copc_jax import estimators, losses, presets
 
@@ -172,7 +172,6 @@ def run(config, workdir: str) -> list[dict]:
   for row in rows:
     print(f"{row['drift']:>5.2f}  {row['preset']:<14}{row['relative_gradient_error']:>9.3f}"
           f"{row['bias_policy']:>10.4f}{row['bias_advantage']:>10.4f}{row['bias_coupled']:>10.4f}")
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "gradient_check.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  (epath.Path(workdir) / "gradient_check.json").write_text(json.dumps(rows, indent=1))
   return rows

@@ -23,6 +23,7 @@ import os
 import sys
 
 import jax
+from etils import epath
 from flax import nnx
 
 from copc_jax import sharding
@@ -35,6 +36,7 @@ from copc_jax.rollout.in_process import InProcessBackend
 from copc_jax.rollout.pool import RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend
 from copc_jax.train import checkpoint, multihost, server_check
+from copc_jax.train import workdir as workdir_lib
 from copc_jax.train.batch_sources import make_batch_source
 from copc_jax.train.episodes import EpisodeRunner, PromptSource
 from copc_jax.train.evaluator import Evaluator
@@ -64,6 +66,9 @@ class NullLogger:
   def note(self, message: str) -> None:
     pass
 
+  def sync(self) -> None:
+    pass
+
   def close(self) -> None:
     pass
 
@@ -76,10 +81,11 @@ def tokenizer_dir(config, *checkpoints: str) -> str:
 
 
 def base_checkpoint(config, workdir: str) -> str:
-  """The model RL starts from: `config.model.checkpoint`, or a tiny one built in the workdir."""
+  """The model RL starts from: `config.model.checkpoint`, or a tiny one built in the workdir (its
+  scratch, for a remote workdir)."""
   source = config.model.checkpoint
   if source == "tiny":
-    path = os.path.join(workdir, "base")
+    path = os.path.join(workdir_lib.scratch(workdir), "base")
     if multihost.is_chief() and not os.path.exists(path):
       checkpoint.write_atomically(path, lambda tmp: tiny.make_tiny_checkpoint(tmp, config.model.tiny_arch,
                                                                              seed=config.seed))
@@ -152,7 +158,8 @@ class Parts:
     """How pushed versions travel: as arrays to an in-process backend, else config.rollout.weight_transfer."""
     rollout = self.config.rollout
     transfer = IN_PROCESS if rollout.backend == "in_process" else rollout.weight_transfer
-    return WeightStore(os.path.join(self.workdir, "weights"), backend, pushes=pushes, transfer=transfer)
+    return WeightStore(os.path.join(workdir_lib.scratch(self.workdir), "weights"), backend, pushes=pushes,
+                       transfer=transfer)
 
   def open(self) -> Live:
     """Start the backend(s), weight store, batch source, evaluator and logger (closed by `Live.close`)."""
@@ -244,8 +251,12 @@ def build(config, workdir: str, *, actor_checkpoint: str | None = None, task=Non
   `trainer.train_and_evaluate`); `task` replaces the config's task; `backend_factory(evaluation=False)`
   replaces the rollout backend the config names (tests only).
   """
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  workdir = workdir_lib.resolve(workdir)
+  if workdir_lib.is_remote(workdir) and config.rollout.addresses and config.rollout.weight_transfer == "path":
+    raise ValueError(f"config.rollout.weight_transfer = 'path' has remote servers read weight files from the "
+                     f"workdir, but {workdir} keeps them in this host's scratch: use 'stream'")
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  os.makedirs(workdir_lib.scratch(workdir), exist_ok=True)
   processes = jax.process_count()
   if config.trainer.batch_size % processes:
     raise ValueError(f"config.trainer.batch_size ({config.trainer.batch_size}) must be divisible by the "
@@ -278,10 +289,9 @@ def restore(parts: Parts) -> None:
   if saved_processes != parts.processes:
     raise ValueError(f"the checkpoint in {parts.checkpointer.directory} was written by {saved_processes} "
                      f"learner processes; resume it with the same number (this run has {parts.processes})")
-  stopped = parts.stopped_state_path()
-  if os.path.exists(stopped):       # saved by this process when a multi-process run stopped on an error
-    with open(stopped) as f:
-      parts.record["processes"][jax.process_index()] = json.load(f)
+  stopped = epath.Path(parts.stopped_state_path())
+  if stopped.exists():              # saved by this process when a multi-process run stopped on an error
+    parts.record["processes"][jax.process_index()] = json.loads(stopped.read_text())
 
 
 def start_backend(parts: Parts, evaluation: bool = False) -> RolloutBackend:
@@ -301,6 +311,7 @@ def start_backend(parts: Parts, evaluation: bool = False) -> RolloutBackend:
                         "remote servers, give one in config.rollout.eval_addresses (or eval_every = 0)")
   count = len(addresses) or (1 if evaluation else c.num_servers)
   say(f"starting {count} {'evaluation' if evaluation else 'rollout'} server(s)...")
+  logs = os.path.join(workdir_lib.scratch(parts.workdir), "logs", "eval" if evaluation else "")
   try:
     common = dict(stall_timeout_s=c.stall_timeout_s, probe_timeout_s=c.probe_timeout_s,
                   lost_timeout_s=c.lost_timeout_s, push_timeout_s=c.push_timeout_s)
@@ -315,7 +326,7 @@ def start_backend(parts: Parts, evaluation: bool = False) -> RolloutBackend:
                        platform=c.server_platform, tensor_parallelism=c.server_tensor_parallelism,
                        data_parallelism=c.server_data_parallelism, decode_steps=c.server_decode_steps,
                        dtype=c.server_dtype, ready_timeout_s=c.ready_timeout_s, **common,
-                       log_dir=os.path.join(parts.workdir, "logs", "eval" if evaluation else ""), version=-1)
+                       log_dir=logs, version=-1)
   except (TimeoutError, RuntimeError) as err:
     raise TrainingError(f"the rollout servers did not start: {err}\nCheck the server log above; "
                         f"config.rollout.max_prefill_length / max_length / slots must suit the model, "

@@ -10,13 +10,17 @@ a partial one, and falls back past checkpoints that were damaged later.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
+
+from copc_jax.train import workdir as workdir_lib
 
 
 def write_atomically(path: str, write) -> str:
@@ -29,13 +33,26 @@ def write_atomically(path: str, write) -> str:
   return path
 
 
+def write_json(path: str, value) -> None:
+  """`value` as JSON at `path`, whole or not at all: a local file through a rename, an object of a remote
+  store (gs://…) in one write, which such stores make atomic."""
+  if workdir_lib.is_remote(path):
+    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    epath.Path(path).write_text(json.dumps(value))
+    return
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(f"{path}.tmp", "w") as f:
+    json.dump(value, f)
+  os.replace(f"{path}.tmp", path)
+
+
 class CheckpointError(RuntimeError):
   """No checkpoint of the run can be loaded."""
 
 
 class Checkpointer:
   def __init__(self, directory: str, max_to_keep: int = 3):
-    self.directory = os.path.abspath(directory)
+    self.directory = workdir_lib.resolve(directory)     # a local path or a URL (gs://…), as orbax takes
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
@@ -91,9 +108,9 @@ class Checkpointer:
     return step, learner_state, rng, dict(restored["record"])
 
   def _set_aside(self, step: int) -> None:
-    source = os.path.join(self.directory, str(step))
-    if os.path.isdir(source):
-      os.replace(source, os.path.join(self.directory, f"corrupt_{step}"))
+    source = epath.Path(self.directory) / str(step)
+    if source.is_dir():
+      workdir_lib.move(source, epath.Path(self.directory) / f"corrupt_{step}")
     self._manager.reload()
 
   def close(self) -> None:

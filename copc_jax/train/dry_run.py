@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 
+from etils import epath
+
 from copc_jax.train import build as build_lib
+from copc_jax.train import workdir as workdir_lib
 from copc_jax.train.episodes import Episode
 from copc_jax.train.episodes import collect as collect_episodes
 from copc_jax.train.trainer import start_policy
@@ -30,7 +33,7 @@ def dry_run_rollouts(config, workdir: str, count: int) -> dict:
   they say about the task's format written to DIR/dry_run_rollouts.json: mean reward, accuracy, the
   share of episodes that called the tool, turns and finish reasons. The servers and weights of the
   dry run live in DIR/dry_run; nothing is trained and no training history is written."""
-  workdir = os.path.abspath(workdir)
+  workdir = workdir_lib.resolve(workdir)
   task, actor_checkpoint = start_policy(config, workdir)
   parts = build_lib.build(config, os.path.join(workdir, "dry_run"), actor_checkpoint=actor_checkpoint,
                           task=task)
@@ -55,8 +58,7 @@ def dry_run_rollouts(config, workdir: str, count: int) -> dict:
              "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows)
                                 for k in sorted({str(r["finish_reason"]) for r in rows})},
              "rows": rows}
-  with open(os.path.join(workdir, "dry_run_rollouts.json"), "w") as f:
-    json.dump(summary, f, indent=1)
+  (epath.Path(workdir) / "dry_run_rollouts.json").write_text(json.dumps(summary, indent=1))
   print(f"dry run: {len(rows)} episodes, mean reward {summary['mean_reward']:.3f}, accuracy "
         f"{summary['accuracy']:.3f}, tool calls {summary['tool_call_rate']:.3f}; "
         f"{os.path.join(workdir, 'dry_run_rollouts.json')}", flush=True)

@@ -11,6 +11,11 @@ killed run) are dropped from `metrics.jsonl`, so every step appears once there, 
 counts. The W&B run keeps one id per workdir (`DIR/wandb_run_id`) and resumes it; W&B refuses steps it
 has already seen, so for the steps a killed run logged after its last checkpoint it keeps the killed
 run's values (`metrics.jsonl` is the record). `WANDB_MODE=offline` writes the run under `DIR/wandb`.
+
+A remote workdir (gs://…, `train/workdir.py`) gets its rows and TensorBoard events written to the local
+scratch directory first (object stores cannot append) and mirrored there by `sync()`, which the trainer
+calls at every checkpoint and `close()` calls at the end: a resume keeps only rows up to its checkpoint,
+so what a crash leaves unmirrored is what a resume would drop anyway (and it stays on the local disk).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import sys
 
 import numpy as np
 import tqdm
+from etils import epath
 from tensorboardX import SummaryWriter
 
 from copc_jax.train import multihost
+from copc_jax.train import workdir as workdir_lib
 
 TRACKERS = ("tensorboard", "wandb")
 REQUIRED_KEYS = ("step", "reward_mean", "response_len_mean", "staleness_mean", "staleness_max",
@@ -74,16 +81,15 @@ def update_row(version: int, episodes: list, batch, learner_metrics: dict, *, mo
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  path = epath.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
     return []
   rows = []
-  with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        break              # a line cut short by a kill: the rows after it cannot exist
+  for line in path.read_text().splitlines():
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      break                # a line cut short by a kill: the rows after it cannot exist
   return rows
 
 
@@ -109,16 +115,14 @@ class WandbWriter:
     except ImportError:
       raise ValueError("trainer.trackers has 'wandb' but wandb is not installed: pip install "
                        "'copc_jax[wandb]' (or drop it from trainer.trackers)") from None
-    id_path = os.path.join(workdir, "wandb_run_id")
-    if os.path.exists(id_path):
-      with open(id_path) as f:
-        run_id = f.read().strip()
+    id_path = epath.Path(workdir) / "wandb_run_id"
+    if id_path.exists():
+      run_id = id_path.read_text().strip()
     else:
       run_id = secrets.token_hex(8)          # W&B run ids: letters and digits
-      with open(id_path, "w") as f:
-        f.write(run_id)
-    self._run = wandb.init(project=project, dir=workdir, id=run_id, resume="allow", config=run_config,
-                           name=os.path.basename(os.path.abspath(workdir)))
+      id_path.write_text(run_id)
+    self._run = wandb.init(project=project, dir=workdir_lib.scratch(workdir), id=run_id, resume="allow",
+                           config=run_config, name=id_path.parent.name)
 
   def write(self, row: dict) -> None:
     self._run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
@@ -131,13 +135,17 @@ class MetricsLogger:
   def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, progress: bool = True,
                trackers: tuple[str, ...] = ("tensorboard",), wandb_project: str = "copc_jax",
                run_config: dict | None = None):
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    kept = [row for row in read_metrics(workdir) if row.get("step", 0) <= start_step]
+    self.workdir = workdir_lib.resolve(workdir)
+    self.staging = workdir_lib.scratch(self.workdir)      # the workdir itself unless it is remote
+    os.makedirs(self.staging, exist_ok=True)
+    self.path = os.path.join(self.staging, "metrics.jsonl")
+    kept = [row for row in read_metrics(self.workdir) if row.get("step", 0) <= start_step]
     with open(self.path + ".tmp", "w") as f:
       f.writelines(json.dumps(row) + "\n" for row in kept)
     os.replace(self.path + ".tmp", self.path)
     self._file = open(self.path, "a")
-    self._tensorboard = SummaryWriter(os.path.join(workdir, "tb")) if "tensorboard" in trackers else None
+    self._tensorboard = (SummaryWriter(os.path.join(self.staging, "tb")) if "tensorboard" in trackers
+                         else None)
     self._wandb = WandbWriter(workdir, wandb_project, run_config) if "wandb" in trackers else None
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                           file=sys.stderr, dynamic_ncols=True, disable=not progress)
@@ -163,6 +171,21 @@ class MetricsLogger:
     """A line above the progress bar."""
     self._bar.write(message, file=sys.stderr)
 
+  def sync(self) -> None:
+    """Mirror the rows and TensorBoard's event files to a remote workdir (a local one has them already)."""
+    if not workdir_lib.is_remote(self.workdir):
+      return
+    if not self._file.closed:                 # close() mirrors after closing both
+      self._file.flush()
+      if self._tensorboard:
+        self._tensorboard.flush()
+    target = epath.Path(self.workdir)
+    with open(self.path) as f:
+      (target / "metrics.jsonl").write_text(f.read())
+    events = epath.Path(self.staging) / "tb"
+    for event in (workdir_lib.files_under(events) if events.exists() else ()):
+      (target / "tb" / event.relative_to(events)).write_bytes(event.read_bytes())
+
   def close(self) -> None:
     self._bar.close()
     if self._tensorboard:
@@ -170,3 +193,4 @@ class MetricsLogger:
     if self._wandb:
       self._wandb.close()
     self._file.close()
+    self.sync()

@@ -34,6 +34,7 @@ import time
 
 import jax
 import numpy as np
+from etils import epath
 
 from copc_jax.envs.tasks import make_task
 from copc_jax.models import hf_io
@@ -126,6 +127,7 @@ class Trainer:
         row = None
         if self.step % c.checkpoint_every == 0 or final:
           self._checkpoint(source)
+          logger.sync()              # a remote workdir's rows and events, up to this checkpoint
     except NonFiniteError as err:
       logger.write(row)
       raise TrainingError(f"training stopped at step {self.step}: {err}. Nothing was saved over the last good "
@@ -213,8 +215,7 @@ class Trainer:
     process_state = process_state or source.state()
     self.record.update(step=self.step, version=self.step, processes=multihost.gather_json(process_state))
     self.checkpointer.save(self.step, self.learner.state, self.learner.rng, self.record)
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(self.parts.stopped_state_path())
+    epath.Path(self.parts.stopped_state_path()).unlink(missing_ok=True)
     source.weights.prune(source.keep_versions_from(self.step))
 
   def _save_on_error(self, source) -> dict:
@@ -228,8 +229,7 @@ class Trainer:
     if self.processes == 1:
       self._checkpoint(source, process_state)
     else:
-      os.makedirs(self.checkpointer.directory, exist_ok=True)
-      checkpoint.write_atomically(self.parts.stopped_state_path(), lambda tmp: _write_json(tmp, process_state))
+      checkpoint.write_json(self.parts.stopped_state_path(), process_state)
     return process_state
 
   def _summary(self, wall_start: float) -> dict:
@@ -248,8 +248,7 @@ class Trainer:
         "step_time_s_mean": float(np.mean([r["step_time_s"] for r in rows])) if rows else None,
         "wall_time_s_this_run": time.time() - wall_start,
     }
-    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+    (epath.Path(self.workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -265,18 +264,13 @@ def _advice(err: BaseException) -> str:
   return "Fix the cause above."
 
 
-def _write_json(path: str, value) -> None:
-  with open(path, "w") as f:
-    json.dump(value, f)
-
-
 def train_and_evaluate(config, workdir: str, *, backend_factory=None, fresh_start: bool = False) -> dict:
   """The `train` job: the warm start (its own step, cached in DIR/warm_start), then RL.
 
   The run holds `workdir` (`workdir.claim`): a second run on it, or a fresh start over a previous
   run's history without `fresh_start`, stops with one line.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = workdir_lib.resolve(workdir)
   with workdir_lib.claim(workdir, fresh_start=fresh_start, process_index=jax.process_index(), log=say):
     task, actor_checkpoint = start_policy(config, workdir)
     return Trainer(build(config, workdir, actor_checkpoint=actor_checkpoint, task=task,
@@ -285,15 +279,17 @@ def train_and_evaluate(config, workdir: str, *, backend_factory=None, fresh_star
 
 def start_policy(config, workdir: str):
   """(task, actor checkpoint) as RL starts: the task (through the chat template when the config asks),
-  and the warm start's result cached in DIR/warm_start (None without a warm start: the base model)."""
+  and the warm start's result cached in DIR/warm_start, DIR's scratch for a remote DIR (None without a
+  warm start: the base model)."""
   base = base_checkpoint(config, workdir)
   tokenizer = (hf_io.load_tokenizer(tokenizer_dir(config, base), needed_for="config.task.chat_template")
                if config.task.chat_template else None)
   task = make_task(config.task, config.seed, tokenizer)
   if not config.warm_start.steps:
     return task, None
-  return task, warm_start.prepare(task, base, os.path.join(workdir, "warm_start"), config.warm_start,
-                                  seed=config.seed, log=say, tokenizer_dir=tokenizer_dir(config, base))
+  return task, warm_start.prepare(task, base, os.path.join(workdir_lib.scratch(workdir), "warm_start"),
+                                  config.warm_start, seed=config.seed, log=say,
+                                  tokenizer_dir=tokenizer_dir(config, base))
 
 
 def run(config, workdir: str, *, fresh_start: bool = False) -> dict:
