@@ -34,7 +34,6 @@ from tensorboardX import SummaryWriter
 from copc_jax.train import multihost
 from copc_jax.train import workdir as workdir_lib
 
-TRACKERS = ("tensorboard", "wandb")
 REQUIRED_KEYS = ("step", "reward_mean", "response_len_mean", "staleness_mean", "staleness_max",
                  "mask_fraction", "clip_fraction", "ess", "value_loss", "grad_norm", "step_time_s",
                  "rollout_wait_s", "train_s", "weight_sync_s")

@@ -15,9 +15,13 @@ import jax.numpy as jnp
 from copc_jax.models.attention import check_implementation
 from copc_jax.models.decoder import remat_policy_name
 from copc_jax.train.learner import LearnerConfig, OptimizerConfig
-from copc_jax.train.metrics import TRACKERS
 
 MODES = ("sync", "async", "lag")
+
+
+# The trackers beside metrics.jsonl (`train/metrics.py` writes them); defined here so that loading a
+# config does not import them (tensorboardX pulls Cloud Storage and gRPC where they are installed).
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclasses.dataclass(frozen=True)

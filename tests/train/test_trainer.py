@@ -304,6 +304,8 @@ def test_metrics_go_to_weights_and_biases_offline_and_a_resumed_run_keeps_its_id
 
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_SILENT", "true")
+  for timeout in ("WANDB_INIT_TIMEOUT", "WANDB__SERVICE_WAIT"):   # a busy machine starts W&B's service slowly
+    monkeypatch.setenv(timeout, "600")
   for start, steps in ((0, (1, 2)), (2, (3,))):
     logger = MetricsLogger(str(tmp_path), total_steps=3, start_step=start, progress=False,
                            trackers=("wandb",), run_config={"preset": "copc"})
