@@ -183,7 +183,9 @@ class MetricsLogger:
       (target / "metrics.jsonl").write_text(f.read())
     events = epath.Path(self.staging) / "tb"
     for event in (workdir_lib.files_under(events) if events.exists() else ()):
-      (target / "tb" / event.relative_to(events)).write_bytes(event.read_bytes())
+      copy = target / "tb" / event.relative_to(events)
+      if not copy.exists() or copy.stat().length != event.stat().length:   # event files only grow
+        copy.write_bytes(event.read_bytes())
 
   def close(self) -> None:
     self._bar.close()
