@@ -133,6 +133,8 @@ def main(argv):
       raise ValueError("--workdir is required (a directory for metrics, checkpoints and weights)")
     if FLAGS.dry_run_rollouts and config.job != "train":
       raise ValueError(f"--dry_run_rollouts runs the train job's start policy; config.job is {config.job!r}")
+    if config.job == "train":
+      config.rollout.check_installed()
     if config.job == "train" and not FLAGS.distributed and not FLAGS.dry_run_rollouts:
       workdir.check(FLAGS.workdir, fresh_start=FLAGS.fresh_start)
     elif os.path.exists(FLAGS.workdir) and not os.path.isdir(FLAGS.workdir):

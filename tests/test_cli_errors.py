@@ -32,6 +32,11 @@ def main_command(args, workdir_path):
   return [sys.executable, "-m", "copc_jax.main", *args, f"--workdir={workdir_path}"]
 
 
+# the command line in a Python where JetStream is not installed (`sys.modules[name] = None` hides a package)
+WITHOUT_JETSTREAM = ("import runpy, sys; sys.modules['jetstream'] = None; sys.argv[0] = 'copc_jax.main'; "
+                     "runpy.run_module('copc_jax.main', run_name='__main__', alter_sys=True)")
+
+
 def run_all(commands):
   """Start every command at once (each mostly waits on imports), then collect them."""
   env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -53,6 +58,10 @@ def test_each_mistake_is_one_line_with_exit_status_2(tmp_path):
                                 f"--workdir={a_file}: exists and is not a directory")
   cases["workdir in use"] = (main_command([CONFIG], busy), f"is in use by another run (PID {os.getpid()})")
   cases["history without checkpoint"] = (main_command([CONFIG], history), "pass --fresh_start")
+  cases["jetstream not installed"] = (
+      [sys.executable, "-c", WITHOUT_JETSTREAM, CONFIG, f"--workdir={tmp_path / 'no_jetstream'}"],
+      "config.rollout.backend = 'jetstream' runs JetStream servers, but JetStream is not installed: "
+      "pip install --no-deps google-jetstream==0.2.2")
   verbose = CASES["negative steps"][0] + ["--verbose"]
   cases["verbose shows the traceback"] = (main_command(verbose, tmp_path / "v"), "Traceback")
   with workdir.claim(str(busy)):                 # this test process holds `busy` as a run would

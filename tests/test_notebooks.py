@@ -123,3 +123,26 @@ def test_the_setup_cell_runs_twice_in_one_kernel(tmp_path, colab):
   outputs = ["".join(o.get("text", "") for o in c.outputs) for c in notebook.cells]
   assert outputs[1] == outputs[2] and "JAX backend: cpu" in outputs[2]
   assert outputs[3].strip() == "cwd notebooks notebook_lib"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_notebook_states_its_measured_run_time_per_runtime(name):
+  """The title cell's run-time line is the one the recorded times give, and the CPU time is measured."""
+  notebook = read(name)
+  times = notebook["metadata"].get("copc_jax", {}).get("run_time", {})
+  assert "cpu" in times, "execute it: experiments/notebooks/execute.py records its run time"
+  runner = load_notebook_runner()
+  assert runner.run_time_line(times) in "".join(notebook["cells"][0]["source"]).splitlines()
+
+
+def test_a_recorded_run_time_replaces_the_previous_line_and_keeps_other_runtimes():
+  import nbformat
+  runner = load_notebook_runner()
+  notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Title\n\nText.")])
+  runner.record_run_time(notebook, "gpu", 90, "1× H100", 0.5)
+  runner.record_run_time(notebook, "cpu", 600, "2 cores", 1.0)
+  runner.record_run_time(notebook, "cpu", 300, "2 cores", 1.0)
+  assert notebook.cells[0].source == (
+      "# Title\n\nText.\n\n**Run time** top to bottom, full setting (`execute.py`): CPU (2 cores) 5.0 min · "
+      "GPU (1× H100) 1.5 min · TPU not measured yet.")
+  assert notebook.metadata["copc_jax"]["run_time"]["gpu"]["seconds"] == 90

@@ -6,6 +6,7 @@ Loads without JetStream, gRPC or the trainer (`tests/test_config.py` checks).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from copc_jax.rollout.protocol import WEIGHT_TRANSFERS
 from copc_jax.sampling import SamplingParams
@@ -85,6 +86,13 @@ class RolloutConfig:
     if self.lost_timeout_s < self.stall_timeout_s:
       raise ValueError(f"lost_timeout_s ({self.lost_timeout_s}) must be >= stall_timeout_s "
                        f"({self.stall_timeout_s})")
+
+  def check_installed(self) -> None:
+    """Local JetStream servers need the `jetstream` package, which is installed apart (README, Install)."""
+    if self.backend == "jetstream" and importlib.util.find_spec("jetstream") is None:
+      raise ValueError("config.rollout.backend = 'jetstream' runs JetStream servers, but JetStream is not "
+                       "installed: pip install --no-deps google-jetstream==0.2.2 (README, Install), or use "
+                       "--config.rollout.backend=in_process")
 
   @property
   def sampling(self) -> SamplingParams:

@@ -7,13 +7,19 @@
 
 A notebook that raises stops with the failing cell's error. A notebook whose outputs would show
 this checkout's absolute path is not saved (the committed notebooks name no machine's paths).
+
+A saved full-setting run records its wall time for the runtime it ran on (the JAX backend its first
+cell printed) in the notebook's metadata, and the title cell states the time per runtime
+(`run_time_line`); runtimes no one has measured say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import os
+import re
 import sys
 import time
 
@@ -37,6 +43,46 @@ def machine_paths(notebook) -> list[str]:
   import nbformat
   text = nbformat.writes(notebook)
   return [line.strip()[:200] for line in text.splitlines() if ROOT in line]
+
+
+RUNTIMES = {"cpu": "CPU", "gpu": "GPU", "tpu": "TPU"}
+RUN_TIME_PREFIX = "**Run time**"
+
+
+def backend_of(notebook) -> str | None:
+  """The JAX backend a full-setting run used, as its first code cell printed it; None otherwise."""
+  cell = next(c for c in notebook.cells if c.cell_type == "code")
+  text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+  found = re.search(r"full setting \| JAX backend: (\w+)", text)
+  return found.group(1) if found else None
+
+
+def machine_description(backend: str) -> str:
+  """What ran the kernel: the core count on a CPU, the device kind and count on an accelerator."""
+  if backend == "cpu":
+    return f"{os.cpu_count()} cores"
+  import jax
+  return f"{len(jax.devices())}× {jax.devices()[0].device_kind}"
+
+
+def run_time_line(times: dict) -> str:
+  """The title cell's sentence: minutes per runtime from the recorded `times` ({backend: record})."""
+  parts = [f"{label} ({times[key]['machine']}) {times[key]['seconds'] / 60:.1f} min" if key in times
+           else f"{label} not measured yet" for key, label in RUNTIMES.items()]
+  return f"{RUN_TIME_PREFIX} top to bottom, full setting (`execute.py`): " + " · ".join(parts) + "."
+
+
+def record_run_time(notebook, backend: str, seconds: float, machine: str, load: float) -> None:
+  """Keep `seconds` as this runtime's time in the metadata (with the machine's load average when the
+  run started: other work on the machine lengthens it) and restate the title cell's run-time line."""
+  times = notebook.metadata.setdefault("copc_jax", {}).setdefault("run_time", {})
+  times[backend] = {"seconds": round(seconds), "machine": machine, "date": datetime.date.today().isoformat(),
+                    "load_average_at_start": round(load, 1)}
+  title = notebook.cells[0]
+  lines = [line for line in title.source.split("\n") if not line.startswith(RUN_TIME_PREFIX)]
+  while lines and not lines[-1].strip():
+    lines.pop()
+  title.source = "\n".join(lines + ["", run_time_line(times)])
 
 
 FIRST_CELL = os.path.join(HERE, "first_cell.py")
@@ -74,11 +120,15 @@ def main():
       print(f"{name}: {'updated' if sync_first_cell(name) else 'unchanged'}")
     return
   for name in args.names or NOTEBOOKS:
-    start = time.time()
+    start, load = time.time(), os.getloadavg()[0]
     notebook = execute(name)
-    print(f"{name}: executed in {time.time() - start:.0f} s", flush=True)
+    seconds = time.time() - start
+    print(f"{name}: executed in {seconds:.0f} s", flush=True)
     if args.no_save:
       continue
+    backend = backend_of(notebook)
+    if backend in RUNTIMES:
+      record_run_time(notebook, backend, seconds, machine_description(backend), load)
     leaks = machine_paths(notebook)
     if leaks:
       sys.exit(f"{name}: not saved, its outputs show this checkout's path: {leaks[:3]}")
