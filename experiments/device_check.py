@@ -10,7 +10,9 @@
 2. The server's decode: a `CopcEngine` on a tiny checkpoint in the same dtype, 64 steps of 8 slots:
    tokens per second, and its log-probs against the learner's recomputation (the sampling contract).
 3. The main job, 20 updates of `configs/default.py` with the learner and the servers on the
-   accelerator (`rollout.server_platform=""`): held-out accuracy before and after, from its summary.
+   accelerator (`rollout.server_platform=""`): held-out accuracy before and after, from its summary;
+   and the same with the in-process backend (`rollout.backend=in_process`: no servers). Each run is
+   stopped after `--run_timeout_s`, and what it printed is kept.
 
 Every number goes to the JSON with the platform, device kinds and versions; none is asserted.
 """
@@ -101,21 +103,31 @@ def server_decode(platform: str, directory: str) -> dict:
           "max_logprob_difference_slot0": float(np.max(np.abs(recorded[0] - recomputed)))}
 
 
-def default_run(directory: str) -> dict:
-  workdir = os.path.join(directory, "run")
+def default_run(directory: str, backend: str, timeout_s: float) -> dict:
+  workdir = os.path.join(directory, f"run_{backend}")
   command = [sys.executable, "-m", "copc_jax.main", "--config=configs/default.py", f"--workdir={workdir}",
-             "--config.trainer.steps=20", "--config.rollout.server_platform="]
+             "--config.trainer.steps=20", "--config.rollout.server_platform=",
+             f"--config.rollout.backend={backend}"]
   start = time.time()
-  done = subprocess.run(command, cwd=study.ROOT, capture_output=True, text=True)
+  try:
+    done = subprocess.run(command, cwd=study.ROOT, capture_output=True, text=True, timeout=timeout_s)
+    returncode, stderr = done.returncode, done.stderr
+  except subprocess.TimeoutExpired as err:
+    output = err.stderr or b""
+    returncode, stderr = "timeout", output.decode(errors="replace") if isinstance(output, bytes) else output
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
-  return {"command": " ".join(command[1:]), "returncode": done.returncode, "wall_s": time.time() - start,
-          "summary": summary, "stderr_tail": done.stderr[-2000:] if done.returncode else ""}
+  return {"command": " ".join(["python", *command[1:]]).replace(directory, "$TMP"), "returncode": returncode,
+          "wall_s": time.time() - start, "summary": summary,
+          "stderr_tail": stderr[-2000:].replace(directory, "$TMP") if returncode else ""}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--skip_run", action="store_true", help="without the 20-update main job")
+  parser.add_argument("--backends", nargs="*", default=["jetstream", "in_process"],
+                      help="the main job's runs, one per rollout backend")
+  parser.add_argument("--run_timeout_s", type=float, default=240)
   parser.add_argument("--out", default=OUT)
   args = parser.parse_args()
   platform = jax.default_backend()
@@ -126,10 +138,10 @@ def main():
     print("learner step:", json.dumps(results["learner_step"]), flush=True)
     results["server_decode"] = server_decode(platform, directory)
     print("server decode:", json.dumps(results["server_decode"]), flush=True)
-    if not args.skip_run:
-      results["default_run"] = default_run(directory)
-      print("default run:", json.dumps({k: v for k, v in results["default_run"].items() if k != "stderr_tail"}),
-            flush=True)
+    for backend in [] if args.skip_run else args.backends:
+      run = results.setdefault("default_run", {})[backend] = default_run(directory, backend, args.run_timeout_s)
+      print(f"default run ({backend}):", json.dumps(run), flush=True)
+      study.write_benchmark(args.out, results)        # kept if a later run is cut off
   study.write_benchmark(args.out, results)
 
 
