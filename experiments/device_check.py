@@ -28,10 +28,12 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from copc_jax import presets
+from copc_jax.models import attention as attention_lib
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.config import ModelConfig
 from copc_jax.models.decoder import Decoder, ValueModel
@@ -48,8 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = study.beside(__file__)
 
 
-def learner_step(platform: str) -> dict:
-  options = ModelSource(scan_layers=True, remat="full").compute_options(platform)
+def learner_step(platform: str, attention: str = "auto") -> dict:
+  options = ModelSource(scan_layers=True, remat="full", attention=attention).compute_options(platform)
   config = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
                        num_kv_heads=4, head_dim=64)
   actor = Decoder(config, rngs=nnx.Rngs(0), **options)
@@ -69,6 +71,36 @@ def learner_step(platform: str) -> dict:
   return {"options": {k: str(v) for k, v in options.items()}, "compile_and_first_step_s": compile_s,
           "median_step_s": float(np.median(times)), "tokens_per_s": 32 * 512 / float(np.median(times)),
           "finite": bool(all(np.isfinite(float(metrics[k])) for k in ("actor_loss", "value_loss")))}
+
+
+def attention_kernels(shape=(4, 512, 8, 4, 64)) -> dict:
+  """On a GPU: cuDNN's fused attention against XLA's on one packed bf16 batch (two documents and
+  padding per row, the dense causal-by-segment mask), outputs and input gradients each against the
+  float32 reference; then the learner step with cuDNN's kernel."""
+  b, t, n, k, d = shape
+  rng = np.random.default_rng(0)
+  q, kk, v = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in ((b, t, n, d), (b, t, k, d), (b, t, k, d)))
+  segments = np.zeros((b, t), np.int32)
+  segments[:, : t // 3], segments[:, t // 3: t - 40] = 1, 2
+  visible = attention_lib.causal_segment_mask(jnp.asarray(segments))
+  out = {}
+  for name in ("reference", "xla", "cudnn"):
+    def loss(q, kk, v, name=name):
+      return jnp.sum(attention_lib.attention(q, kk, v, visible, implementation=name).astype(jnp.float32) ** 2)
+    try:
+      out[name] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+          *(x.astype(jnp.float32) if name == "reference" else x for x in (q, kk, v)))
+    except Exception as err:                       # cuDNN refuses some shapes and masks: say which
+      return {"cudnn_error": f"{type(err).__name__}: {str(err)[:500]}"}
+  reference_value, reference_grads = out["reference"]
+  result = {}
+  for name in ("xla", "cudnn"):
+    value, grads = out[name]
+    result[name] = {"loss_relative_error": float(abs(value - reference_value) / abs(reference_value)),
+                    "max_grad_error": float(max(jnp.max(jnp.abs(g.astype(jnp.float32) - r))
+                                                for g, r in zip(grads, reference_grads)))}
+  result["learner_step_cudnn"] = learner_step("gpu", attention="cudnn")
+  return result
 
 
 def server_decode(platform: str, directory: str) -> dict:
@@ -125,6 +157,7 @@ def default_run(directory: str, backend: str, timeout_s: float) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--skip_run", action="store_true", help="without the 20-update main job")
+  parser.add_argument("--skip_decode", action="store_true", help="without the server decode")
   parser.add_argument("--backends", nargs="*", default=["jetstream", "in_process"],
                       help="the main job's runs, one per rollout backend")
   parser.add_argument("--run_timeout_s", type=float, default=240)
@@ -136,8 +169,12 @@ def main():
   with tempfile.TemporaryDirectory() as directory:
     results["learner_step"] = learner_step(platform)
     print("learner step:", json.dumps(results["learner_step"]), flush=True)
-    results["server_decode"] = server_decode(platform, directory)
-    print("server decode:", json.dumps(results["server_decode"]), flush=True)
+    if platform == "gpu":
+      results["attention_kernels"] = attention_kernels()
+      print("attention kernels:", json.dumps(results["attention_kernels"]), flush=True)
+    if not args.skip_decode:
+      results["server_decode"] = server_decode(platform, directory)
+      print("server decode:", json.dumps(results["server_decode"]), flush=True)
     for backend in [] if args.skip_run else args.backends:
       run = results.setdefault("default_run", {})[backend] = default_run(directory, backend, args.run_timeout_s)
       print(f"default run ({backend}):", json.dumps(run), flush=True)
