@@ -91,6 +91,17 @@ def test_bfloat16_compute_over_float32_weights_stays_close():
   assert critic.model.options == fast.model.options
 
 
+@pytest.mark.parametrize("platform, dtype, expected", [
+    ("cpu", "auto", ("float32", "reference")), ("tpu", "auto", ("bfloat16", "splash")),
+    ("gpu", "auto", ("bfloat16", "cudnn")), ("gpu", "float32", ("float32", "xla")),  # cuDNN: half precision
+])
+def test_auto_picks_each_platforms_attention_kernel_and_dtype(platform, dtype, expected):
+  from copc_jax.train.setup import ModelSource
+  options = ModelSource(dtype=dtype).compute_options(platform)
+  assert (str(options["dtype"]), options["attention"]) == expected
+  assert ModelSource(dtype=dtype, attention="xla").compute_options(platform)["attention"] == "xla"
+
+
 def test_bad_options_are_refused_with_their_allowed_values():
   config = tiny.tiny_config("qwen2")
   with pytest.raises(ValueError, match="remat must be one of"):
