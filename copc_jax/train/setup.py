@@ -54,8 +54,9 @@ class ModelSource:
     pick = lambda value, on_cpu, elsewhere: value if value != "auto" else (on_cpu if platform == "cpu"
                                                                            else elsewhere)
     dtype = jnp.dtype(pick(self.dtype, "float32", "bfloat16"))
-    # cuDNN's fused kernel takes half precision only; on an H200 it ran the learner step 1.28× as
-    # fast as XLA's attention at the same error (experiments/device_check.json)
+    # cuDNN's fused kernel takes half precision only; on an H200 it ran the learner step 1.28× as fast
+    # as XLA's attention, at the error of XLA's against the float32 reference (one run of both:
+    # experiments/device_check_attention.json)
     accelerated = {"tpu": "splash", "gpu": "cudnn" if dtype.itemsize == 2 else "xla"}.get(platform, "xla")
     attention = pick(self.attention, "reference", accelerated)
     return dict(dtype=dtype,
