@@ -105,7 +105,18 @@ def _usage_error(message: str):
   sys.exit(USAGE_ERROR)
 
 
+def put_configs_package_on_path(argv: list[str]) -> None:
+  """The config files import their shared `configs.common`: the folder that holds the named config's
+  `configs/` package goes on sys.path, so `--config=/path/to/clone/configs/x.py` loads from anywhere."""
+  config_arg = _argument(argv, "config")
+  if config_arg:
+    folder = os.path.dirname(os.path.abspath(config_arg.partition(":")[0]))
+    if os.path.basename(folder) == "configs" and os.path.dirname(folder) not in sys.path:
+      sys.path.insert(0, os.path.dirname(folder))
+
+
 def parse_flags(argv: list[str]) -> list[str]:
+  put_configs_package_on_path(argv)
   try:
     return FLAGS(argv)
   except Exception as err:  # noqa: BLE001 - every mistake gets one line

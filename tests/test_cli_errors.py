@@ -133,3 +133,12 @@ def test_print_config_shows_the_resolved_config_and_a_missing_workdir_is_one_lin
   assert config["preset"] == "tis" and config["trainer"]["steps"] == 7 and config["actor"]["behavior_weight"]
   assert missing == 2 and missing_err.strip() == ("error: --workdir is required (a directory for metrics, "
                                                   "checkpoints and weights)")
+
+
+def test_a_config_file_loads_from_any_working_directory(tmp_path):
+  """The configs import `configs.common`; named by their path, they load outside the clone too."""
+  done = subprocess.run([sys.executable, "-m", "copc_jax.main", f"--config={ROOT}/configs/default.py:tis",
+                         "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert json.loads(done.stdout)["preset"] == "tis"
