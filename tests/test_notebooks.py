@@ -141,8 +141,10 @@ def test_a_recorded_run_time_replaces_the_previous_line_and_keeps_other_runtimes
   notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Title\n\nText.")])
   runner.record_run_time(notebook, "gpu", 90, "1× H100", 0.5)
   runner.record_run_time(notebook, "cpu", 600, "2 cores", 1.0)
-  runner.record_run_time(notebook, "cpu", 300, "2 cores", 1.0)
+  runner.record_run_time(notebook, "cpu", 300, "2 cores", 0.0)
   assert notebook.cells[0].source == (
       "# Title\n\nText.\n\n**Run time** top to bottom, full setting (`execute.py`): CPU (2 cores) 5.0 min · "
       "GPU (1× H100) 1.5 min · TPU not measured yet.")
+  runner.record_run_time(notebook, "cpu", 300, "2 cores", 1000.0)          # measured beside other work
+  assert "CPU (2 cores, shared with other work: load 1000.0) 5.0 min" in notebook.cells[0].source
   assert notebook.metadata["copc_jax"]["run_time"]["gpu"]["seconds"] == 90

@@ -67,8 +67,11 @@ def machine_description(backend: str) -> str:
 
 def run_time_line(times: dict) -> str:
   """The title cell's sentence: minutes per runtime from the recorded `times` ({backend: record})."""
-  parts = [f"{label} ({times[key]['machine']}) {times[key]['seconds'] / 60:.1f} min" if key in times
-           else f"{label} not measured yet" for key, label in RUNTIMES.items()]
+  def measured(t):
+    shared = f", shared with other work: load {t['load_average_at_start']}" if t.get("busy") else ""
+    return f"({t['machine']}{shared}) {t['seconds'] / 60:.1f} min"
+  parts = [f"{label} {measured(times[key])}" if key in times else f"{label} not measured yet"
+           for key, label in RUNTIMES.items()]
   return f"{RUN_TIME_PREFIX} top to bottom, full setting (`execute.py`): " + " · ".join(parts) + "."
 
 
@@ -77,7 +80,13 @@ def record_run_time(notebook, backend: str, seconds: float, machine: str, load: 
   run started: other work on the machine lengthens it) and restate the title cell's run-time line."""
   times = notebook.metadata.setdefault("copc_jax", {}).setdefault("run_time", {})
   times[backend] = {"seconds": round(seconds), "machine": machine, "date": datetime.date.today().isoformat(),
-                    "load_average_at_start": round(load, 1)}
+                    "load_average_at_start": round(load, 1), "busy": load > (os.cpu_count() or 1)}
+  restate_run_time(notebook)
+
+
+def restate_run_time(notebook) -> None:
+  """The title cell's run-time line, from the times in the notebook's metadata."""
+  times = notebook.metadata["copc_jax"]["run_time"]
   title = notebook.cells[0]
   lines = [line for line in title.source.split("\n") if not line.startswith(RUN_TIME_PREFIX)]
   while lines and not lines[-1].strip():
