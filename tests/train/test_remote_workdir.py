@@ -30,10 +30,34 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# The emulator, with the one header of Cloud Storage that tensorstore's OCDBT driver needs and the
+# emulator omits: a download carries its object's generation (`x-goog-generation`). Without it a
+# second write of the same checkpoint's manifest is refused as "Malformed StorageGeneration", on
+# some runs and not others (whether orbax's writes reach the manifest in one flush or two).
+EMULATOR = """
+import sys
+from gcp_storage_emulator.handlers import objects
+
+download = objects.download
+
+def download_with_generation(request, response, storage, *args, **kwargs):
+    download(request, response, storage, *args, **kwargs)
+    try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        response["x-goog-generation"] = obj["generation"]
+    except Exception:
+        pass
+
+objects.download = download_with_generation
+from gcp_storage_emulator.__main__ import main
+main(sys.argv[1:])
+"""
+
+
 @pytest.fixture(scope="module")
 def emulator():
   port = _free_port()
-  process = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1",
+  process = subprocess.Popen([sys.executable, "-c", EMULATOR, "start", "--host=127.0.0.1",
                               f"--port={port}", "--in-memory", f"--default-bucket={BUCKET}"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   url = f"http://127.0.0.1:{port}"
