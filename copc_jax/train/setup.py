@@ -24,6 +24,15 @@ MODES = ("sync", "async", "lag")
 TRACKERS = ("tensorboard", "wandb")
 
 
+def cudnn_attention_available() -> bool:
+  """Whether this process's GPU runs cuDNN's fused attention: compute capability 8.0 (Ampere) or newer
+  (cuDNN's support matrix); a T4 (7.5) takes XLA's."""
+  try:
+    return float(jax.devices("gpu")[0].compute_capability) >= 8.0
+  except (RuntimeError, AttributeError, ValueError, IndexError):
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
   checkpoint: str = "tiny"      # a Hugging Face directory (config.json + safetensors), or "tiny"
@@ -35,8 +44,8 @@ class ModelSource:
   param_dtype: str = "float32"
   remat: str = "none"           # none | full | dots | dots_saveable
   scan_layers: bool = False     # one lax.scan over the blocks: compile time independent of depth
-  attention: str = "auto"       # auto (reference on CPU, splash on TPU, cudnn on GPU in half precision,
-                                # else xla) | reference | xla | cudnn | splash
+  attention: str = "auto"       # auto (reference on CPU, splash on TPU, cudnn on an Ampere+ GPU in half
+                                # precision, else xla) | reference | xla | cudnn | splash
 
   def __post_init__(self):
     if self.tiny_arch not in ("qwen2", "qwen3", "llama"):
@@ -54,10 +63,11 @@ class ModelSource:
     pick = lambda value, on_cpu, elsewhere: value if value != "auto" else (on_cpu if platform == "cpu"
                                                                            else elsewhere)
     dtype = jnp.dtype(pick(self.dtype, "float32", "bfloat16"))
-    # cuDNN's fused kernel takes half precision only; on an H200 it ran the learner step 1.28× as fast
-    # as XLA's attention, at the error of XLA's against the float32 reference (one run of both:
-    # experiments/device_check_attention.json)
-    accelerated = {"tpu": "splash", "gpu": "cudnn" if dtype.itemsize == 2 else "xla"}.get(platform, "xla")
+    # cuDNN's fused kernel takes half precision on Ampere or newer only; on an H200 it ran the learner
+    # step 1.28× as fast as XLA's attention, at the error of XLA's against the float32 reference (one
+    # run of both: experiments/device_check_attention.json)
+    cudnn = platform == "gpu" and dtype.itemsize == 2 and cudnn_attention_available()
+    accelerated = {"tpu": "splash", "gpu": "cudnn" if cudnn else "xla"}.get(platform, "xla")
     attention = pick(self.attention, "reference", accelerated)
     return dict(dtype=dtype,
                 param_dtype=jnp.dtype("float32" if self.param_dtype == "auto" else self.param_dtype),

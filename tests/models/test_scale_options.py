@@ -95,11 +95,15 @@ def test_bfloat16_compute_over_float32_weights_stays_close():
     ("cpu", "auto", ("float32", "reference")), ("tpu", "auto", ("bfloat16", "splash")),
     ("gpu", "auto", ("bfloat16", "cudnn")), ("gpu", "float32", ("float32", "xla")),  # cuDNN: half precision
 ])
-def test_auto_picks_each_platforms_attention_kernel_and_dtype(platform, dtype, expected):
-  from copc_jax.train.setup import ModelSource
-  options = ModelSource(dtype=dtype).compute_options(platform)
+def test_auto_picks_each_platforms_attention_kernel_and_dtype(platform, dtype, expected, monkeypatch):
+  from copc_jax.train import setup
+  monkeypatch.setattr(setup, "cudnn_attention_available", lambda: True)        # an Ampere or newer GPU
+  options = setup.ModelSource(dtype=dtype).compute_options(platform)
   assert (str(options["dtype"]), options["attention"]) == expected
-  assert ModelSource(dtype=dtype, attention="xla").compute_options(platform)["attention"] == "xla"
+  assert setup.ModelSource(dtype=dtype, attention="xla").compute_options(platform)["attention"] == "xla"
+  monkeypatch.setattr(setup, "cudnn_attention_available", lambda: False)       # e.g. a T4
+  assert setup.ModelSource(dtype=dtype).compute_options(platform)["attention"] == (
+      "xla" if platform == "gpu" else expected[1])
 
 
 def test_bad_options_are_refused_with_their_allowed_values():
