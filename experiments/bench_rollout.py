@@ -3,7 +3,9 @@
   python -m experiments.bench_rollout                 # small model, 4 slots, 64 new tokens
   python -m experiments.bench_rollout --servers 1 2 4
   python -m experiments.bench_rollout --hidden 128 --layers 4 --slots 8 --prompt 16 --new-tokens 32
-  python -m experiments.bench_rollout --render   # docs/results.md table from experiments/bench_rollout.json
+  python -m experiments.bench_rollout --hidden 768 --layers 12 --slots 8 --prompt 16 --new-tokens 32 \
+      --servers 1 --out experiments/bench_rollout_100m.json     # the 100M model: the device step dominates
+  python -m experiments.bench_rollout --render   # docs/results.md tables from both JSONs
 
 Measured in the same run: (0) the reference: the whole batch generated in one jitted
 call, prefill and a `lax.fori_loop` of sample + decode steps on the device (the
@@ -197,12 +199,14 @@ def one_request_s(pool: RolloutPool, prompt_len: int, new_tokens: int, vocab: in
 
 
 RESULTS = study.beside(__file__)
+RESULTS_100M = study.beside(__file__, "_100m.json")     # --hidden 768 --layers 12: marker `rollout_100m`
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                       "results.md")
 
 
-def render(results_path: str = RESULTS, readme: str = README) -> str:
-  """docs/results.md's rollout table and cost breakdown, from the benchmark's JSON."""
+def render(results_path: str = RESULTS, readme: str = README, marker: str = "rollout") -> str:
+  """docs/results.md's rollout table and cost breakdown, from the benchmark's JSON (between `marker`'s
+  markers)."""
 
   with open(results_path) as f:
     r = json.load(f)
@@ -235,8 +239,8 @@ def render(results_path: str = RESULTS, readme: str = README) -> str:
   lines[-1] += "."
   lines += [f"On the first served pool: one "
             f"request for one token costs {b['request_fixed_ms']:.1f} ms, each further token of a lone "
-            f"request {b['served_step_ms']:.2f} ms, against {b['reference_step_ms']:.2f} ms per 8-slot step "
-            f"of the reference (prefill included)."]
+            f"request {b['served_step_ms']:.2f} ms, against {b['reference_step_ms']:.2f} ms per "
+            f"{r['slots']}-slot step of the reference (prefill included)."]
   if "round" in b:
     c = b["round"]
     lines[-1] += (f" A served round ({c['tokens_per_round']:.0f} tokens, mean of 10) takes "
@@ -246,7 +250,7 @@ def render(results_path: str = RESULTS, readme: str = README) -> str:
                   f"server decoded {c['slot_steps_per_token']:.2f} slot-steps per returned token (the "
                   f"reference: 1.00).")
   text = "\n".join(lines)
-  study.write_between_markers(readme, "rollout", text)
+  study.write_between_markers(readme, marker, text)
   return text
 
 
@@ -272,6 +276,8 @@ def main():
   args = parser.parse_args()
   if args.render:
     print(render())
+    if os.path.exists(RESULTS_100M):
+      print(render(RESULTS_100M, marker="rollout_100m"))
     return
   rows = []
   max_length = 128

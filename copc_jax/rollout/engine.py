@@ -198,10 +198,25 @@ def decode_step(model: Decoder, state: DecodeState, version, max_length: int) ->
                        logits_version=jnp.full_like(state.logits_version, version)), out
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotPrompt:
+  """A prompt to prefill into `slot` (`prefill_into_slots`)."""
+
+  slot: int
+  tokens: list[int]
+  options: SamplingOptions
+
+
+def rows_bucket(count: int, slots: int) -> int:
+  """Rows of a batched prefill of `count` prompts: the next power of two, at most `slots` (few shapes)."""
+  return min(1 << max(count - 1, 0).bit_length(), slots)
+
+
 class DecodeEngine:
-  """The served model: weights in a `ParamStore`, a decode state over `slots`, and three jitted
+  """The served model: weights in a `ParamStore`, a decode state over `slots`, and four jitted
   bodies — `prefill` (one prompt → its KV cache and last logits), `insert` (a prefix into a slot),
-  `generate_step` (`decode_steps` decode steps of every slot, packed as `COLUMNS` int32 columns).
+  `prefill_slots` (several prompts prefilled together, each into its slot) and `generate_step`
+  (`decode_steps` decode steps of every slot, packed as `COLUMNS` int32 columns).
 
   `mesh`: the devices to serve on (`serving_mesh`; default: the first device alone). Weights are
   placed by `SERVING_RULES` (`place_weights=False`: kept where they are, e.g. the learner's own
@@ -226,15 +241,18 @@ class DecodeEngine:
     self.store = ParamStore(params, version)
     self._slots, self._prefill_len, self._max_length = slots, max_prefill_length, max_length
     self._seed_stream, self._seed_lock = np.random.default_rng(seed), threading.Lock()
-    self.trace_counts = {"prefill": 0, "generate": 0, "insert": 0}
-    self.calls = {"prefill": 0, "generate": 0, "insert": 0}        # every call, traced or not
-    self.compile_s = {"prefill": 0.0, "generate": 0.0, "insert": 0.0}   # calls that traced: compile + run
+    names = ("prefill", "generate", "insert", "prefill_slots")
+    self.trace_counts = dict.fromkeys(names, 0)
+    self.calls = dict.fromkeys(names, 0)              # every call, traced or not
+    self.compile_s = dict.fromkeys(names, 0.0)        # calls that traced: compile + run
     # The decode state keeps one placement across calls (else a state coming out of `generate` would
     # differ from a fresh one and `insert` would compile again).
     self.state_shardings = jax.tree.map(lambda x: x.sharding, self.init_decode_state())
     self.replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
     self._prefill_jit = jax.jit(self._prefill_impl)
     self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
+    self._prefill_slots_jit = jax.jit(self._prefill_slots_impl, donate_argnums=(1,),
+                                      out_shardings=self.state_shardings)
     self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  out_shardings=(self.state_shardings, self.replicated))
 
@@ -275,6 +293,30 @@ class DecodeEngine:
         top_k=state.top_k.at[slot].set(prefix.top_k),
         key_data=state.key_data.at[slot].set(jax.random.key_data(jax.random.key(prefix.seed))))
 
+  def _prefill_slots_impl(self, params, state: DecodeState, rows: dict, version):
+    """Prefill the padded prompts `rows["tokens"]` [R, P] together and write row r into slot
+    `rows["slot"][r]` as `_insert_impl` writes a prefix; rows whose slot is `slots` (padding) are dropped."""
+    self.trace_counts["prefill_slots"] += 1
+    model = self.model(params)
+    r, p = rows["tokens"].shape
+    cache = KVCache.create(self.config, batch=r, max_length=p, dtype=self.cache_dtype)
+    valid = jnp.arange(p)[None] < rows["true_length"][:, None]
+    logits, cache = model.decode(rows["tokens"], jnp.broadcast_to(jnp.arange(p), (r, p)), cache, valid)
+    last_logits = logits[jnp.arange(r), rows["true_length"] - 1]
+    slot, old = rows["slot"], state.cache
+    put = lambda target, new: target.at[slot].set(new.astype(target.dtype), mode="drop")
+    put_prefix = lambda target, new: target.at[:, slot, :p].set(new.astype(target.dtype), mode="drop")
+    row_valid = jnp.arange(old.valid.shape[1])[None] < rows["true_length"][:, None]
+    return state.replace(
+        cache=old.replace(keys=put_prefix(old.keys, cache.keys), values=put_prefix(old.values, cache.values),
+                          valid=put(old.valid, row_valid)),
+        lengths=put(state.lengths, rows["true_length"]), generated=put(state.generated, jnp.zeros_like(slot)),
+        logits=put(state.logits, last_logits),
+        logits_version=put(state.logits_version, jnp.full_like(slot, version)),
+        temperature=put(state.temperature, rows["temperature"]), top_p=put(state.top_p, rows["top_p"]),
+        top_k=put(state.top_k, rows["top_k"]),
+        key_data=put(state.key_data, jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(rows["seed"])))
+
   def _generate_impl(self, params, state: DecodeState, version):
     """`decode_steps` decode steps; data [slots, COLUMNS × decode_steps]: per step the columns
     token, valid, generated count, log-prob bits, version."""
@@ -311,6 +353,26 @@ class DecodeEngine:
 
   def insert_prefix(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
     return self._timed("insert", self._insert_jit, prefix, state, np.int32(slot))
+
+  def prefill_into_slots(self, weights_and_version, prompts: list[SlotPrompt],
+                         state: DecodeState) -> DecodeState:
+    """`prompts` prefilled together under (weights, version), each into its slot: the same prefixes as
+    `prefill_prompt` + `insert_prefix` one at a time, in one device call (rows padded to
+    `rows_bucket`, tokens to the longest prompt's `prefill_bucket`)."""
+    weights, version = weights_and_version
+    count = rows_bucket(len(prompts), self._slots)
+    width = prefill_bucket(max(len(p.tokens) for p in prompts), self._prefill_len)
+    rows = {"tokens": np.zeros((count, width), np.int32), "true_length": np.ones(count, np.int32),
+            "slot": np.full(count, self._slots, np.int32), "temperature": np.ones(count, np.float32),
+            "top_p": np.ones(count, np.float32), "top_k": np.zeros(count, np.int32),
+            "seed": np.zeros(count, np.uint32)}
+    for row, prompt in enumerate(prompts):
+      p, seed = prompt.options.params, prompt.options.seed
+      rows["tokens"][row, :len(prompt.tokens)] = prompt.tokens
+      rows["true_length"][row], rows["slot"][row] = len(prompt.tokens), prompt.slot
+      rows["temperature"][row], rows["top_p"][row], rows["top_k"][row] = p.temperature, p.top_p, p.top_k
+      rows["seed"][row] = seed if seed is not None else self._unseeded_requests()
+    return self._timed("prefill_slots", self._prefill_slots_jit, weights, state, rows, np.int32(version))
 
   def generate_step(self, state: DecodeState):
     """(state, data [slots, COLUMNS × decode_steps] int32) with the weights served now."""

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 import jax
@@ -34,7 +35,7 @@ from flax import nnx, struct
 
 from copc_jax.models.decoder import Decoder
 from copc_jax.rollout import requests
-from copc_jax.rollout.engine import DecodeEngine, DecodeState, SamplingOptions, decode_step, prefill_bucket
+from copc_jax.rollout.engine import DecodeEngine, DecodeState, SamplingOptions, SlotPrompt, decode_step
 from copc_jax.rollout.protocol import Generation, ServerStatus, WeightUpdate
 from copc_jax.sampling import SamplingParams
 
@@ -117,9 +118,12 @@ class InProcessBackend:
   """A `RolloutBackend` that generates in this process (see the module docstring)."""
 
   def __init__(self, model: Decoder, *, slots: int = 8, max_prefill_length: int = 64, max_length: int = 128,
-               steps_per_call: int = 32, version: int = -1, seed: int = 0, mesh=None):
+               steps_per_call: int = 32, version: int = -1, seed: int = 0, mesh=None,
+               admission_window_s: float = 0.002):
     """`model`: the weights to start from (copied: the learner's step donates its own buffers) and the
-    architecture; `mesh`: the devices to generate on (the learner's; default: the first device)."""
+    architecture; `mesh`: the devices to generate on (the learner's; default: the first device);
+    `admission_window_s`: how long an idle backend waits after a first request for others to join it
+    (episode threads send theirs within a millisecond; a lone request pays this once)."""
     if jax.process_count() > 1:
       raise ValueError(f"the in-process backend generates in one process; this learner has "
                        f"{jax.process_count()}: use config.rollout.backend='jetstream'")
@@ -129,7 +133,7 @@ class InProcessBackend:
     copy = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
     self.engine = DecodeEngine(copy, slots=slots, max_prefill_length=max_prefill_length, max_length=max_length,
                                seed=seed, version=version, mesh=mesh)
-    self.steps_per_call = steps_per_call
+    self.steps_per_call, self.admission_window_s = steps_per_call, admission_window_s
     eos = model.config.eos_token_id
     self._eos = int(eos) if eos is not None else -1
     self._limits = requests.Limits(vocab_size=model.config.vocab_size, max_prefill_length=max_prefill_length,
@@ -232,27 +236,39 @@ class InProcessBackend:
           request.result.set_exception(err)
 
   def _admit(self, state, control: SlotControl, busy: dict):
-    """Prefill waiting requests into free slots (waiting for one while no slot is busy); (state, whether
-    the backend is closing)."""
+    """Prefill waiting requests into free slots, together in one device call; (state, whether the
+    backend is closing). With no slot busy it waits for a first request, then up to
+    `admission_window_s` for more, so requests sent together start together."""
     free = [s for s in range(self.engine.slots) if s not in busy]
-    while free:
+    admitted, deadline = [], None
+    while len(admitted) < len(free):
       try:
-        request = self._pending.get(block=not busy)
+        if busy or admitted and deadline is None:
+          request = self._pending.get_nowait()
+        elif not admitted:
+          request = self._pending.get()
+        else:
+          request = self._pending.get(timeout=max(deadline - time.monotonic(), 0.0))
       except queue.Empty:
         break
       if request is None:
+        for slot, waiting in zip(free, admitted):
+          busy[slot] = waiting               # failed by `_drive` with the rest
         return state, True
-      slot = free.pop(0)
-      padded = np.zeros(prefill_bucket(len(request.prompt), self.engine.max_prefill_length), np.int32)
-      padded[:len(request.prompt)] = request.prompt
-      with self._lock:
-        served = self.engine.store.get()
-      self.calls["prefill"] += 1
+      admitted.append(request)
+      if deadline is None and not busy and self.admission_window_s > 0:
+        deadline = time.monotonic() + self.admission_window_s
+    if not admitted:
+      return state, False
+    prompts = []
+    for slot, request in zip(free, admitted):
       busy[slot] = request           # from here on, a failure reaches its caller (`_drive`)
-      prefix = self.engine.prefill_prompt(served, padded, len(request.prompt), request.options)
-      state = self.engine.insert_prefix(prefix, state, slot)
+      prompts.append(SlotPrompt(slot, request.prompt, request.options))
       _set_slot(control, slot, request)
-    return state, False
+    with self._lock:
+      served = self.engine.store.get()
+    self.calls["prefill"] += 1
+    return self.engine.prefill_into_slots(served, prompts, state), False
 
 
 def _host_control(slots: int) -> SlotControl:

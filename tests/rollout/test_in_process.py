@@ -11,9 +11,11 @@ from flax import nnx
 from copc_jax.models import hf_io, tiny
 from copc_jax.models.decoder import Decoder
 from copc_jax.rollout import agent
+from copc_jax.rollout.engine import DecodeEngine, SamplingOptions, SlotPrompt, rows_bucket
 from copc_jax.rollout.in_process import InProcessBackend
 from copc_jax.rollout.pool import RolloutPool
 from copc_jax.rollout.protocol import RolloutBackend, WeightUpdate
+from copc_jax.sampling import SamplingParams
 
 LIMITS = dict(max_prefill_length=32, max_length=96)
 
@@ -129,7 +131,7 @@ def test_a_failure_in_the_driver_reaches_every_caller_and_closes_the_backend(che
   def broken(*args, **kwargs):
     raise RuntimeError("the device is gone")
 
-  backend.engine.prefill_prompt = broken
+  backend.engine.prefill_into_slots = broken
   with ThreadPoolExecutor(3) as pool:
     futures = [pool.submit(backend.generate, [1, 4], 3) for _ in range(3)]
     errors = [f.exception(timeout=120) for f in futures]
@@ -138,3 +140,37 @@ def test_a_failure_in_the_driver_reaches_every_caller_and_closes_the_backend(che
   with pytest.raises(RuntimeError, match="closed"):
     backend.generate([1, 4], 3)
   backend.close()
+
+
+def test_prompts_prefilled_together_give_the_state_of_one_at_a_time(checkpoint):
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  engine = DecodeEngine(model, slots=4, **LIMITS)
+  weights = engine.store.get()
+  prompts = [SlotPrompt(3, [1, 5, 9], SamplingOptions(SamplingParams(0.7, 0.9, 30), seed=11)),
+             SlotPrompt(0, list(range(2, 22)), SamplingOptions(seed=12))]          # buckets 16 and 32
+  one_at_a_time = engine.init_decode_state()
+  for p in prompts:
+    prefix = engine.prefill_prompt(weights, np.pad(p.tokens, (0, 32 - len(p.tokens))), len(p.tokens), p.options)
+    one_at_a_time = engine.insert_prefix(prefix, one_at_a_time, p.slot)
+  together = engine.prefill_into_slots(weights, prompts, engine.init_decode_state())
+  assert engine.calls["prefill_slots"] == 1 and rows_bucket(2, 4) == 2
+  for name, ours, theirs in zip(("keys", "values"), (together.cache.keys, together.cache.values),
+                                (one_at_a_time.cache.keys, one_at_a_time.cache.values)):
+    np.testing.assert_allclose(ours[:, :, :32], theirs[:, :, :32], atol=1e-5, err_msg=name)
+  np.testing.assert_allclose(together.logits, one_at_a_time.logits, atol=1e-5)
+  for field in ("lengths", "generated", "logits_version", "temperature", "top_p", "top_k", "key_data"):
+    np.testing.assert_array_equal(getattr(together, field), getattr(one_at_a_time, field), err_msg=field)
+  np.testing.assert_array_equal(together.cache.valid, one_at_a_time.cache.valid)
+  assert np.asarray(together.lengths).tolist() == [20, 0, 0, 3]           # slots 1 and 2 untouched
+
+
+def test_requests_sent_together_start_in_one_device_call(checkpoint):
+  model, _ = hf_io.from_pretrained(checkpoint, load_tokenizer=False)
+  backend = InProcessBackend(model, slots=4, steps_per_call=8, admission_window_s=60.0, **LIMITS)
+  try:
+    with ThreadPoolExecutor(4) as pool:        # the window closes when every free slot has a request
+      outs = list(pool.map(lambda i: backend.generate([1, 4 + i], 8, seed=i), range(4)))
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    assert backend.calls == {"prefill": 1, "decode": 1}
+  finally:
+    backend.close()
