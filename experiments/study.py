@@ -380,6 +380,18 @@ _NOMASK = {"preset": "copc_spec", "actor.mask_range": (0.0, INF), "estimator.rho
            "estimator.trace_clip": (0.0, 1.0)}
 CANDIDATES = {"copc_nomask": _NOMASK, "copc_nomask_vtrace_pg": {**_NOMASK, "estimator.lam": 0.8,
                                                                  "estimator.advantage_form": "vtrace_pg"}}
+# Settings the reruns on the new learner run by name: COPC μ-anchored (the collapse diagnosis's stable
+# reading) and the group presets at 4 samples per prompt.
+VARIANTS = {"copc_anchor_behavior": {"preset": "copc", "actor.anchor": "behavior"},
+            **{group: {"preset": group, "trainer.group_size": 4} for group in ("grpo", "dr_grpo", "rloo")}}
+# The presets every rerun compares, at k = 64 and 16 against sync PPO at k = 0, 4 seeds, 300 updates.
+RERUN_PRESETS = ("async_ppo", "decoupled_ppo", "copc", "copc_anchor_behavior", "vtrace", "tis", "icepop",
+                 "grpo", "dr_grpo", "rloo")
+
+
+def named_setting(name: str) -> dict:
+  """The overrides a grid's cell name stands for: a COPC candidate, a variant, or a preset by its name."""
+  return CANDIDATES.get(name, VARIANTS.get(name, {"preset": name}))
 
 
 COLLAPSE_DROP = 0.2
@@ -456,6 +468,29 @@ def comparison_table(results: dict, cells: list[str], reference: str, baseline: 
                  f"{against(baseline)} | {fmt(a['auc'])} | {fmt(a['peak_to_final_drop'])} | "
                  f"{_collapses(entry)} | {p} | {fmt(a['mask_fraction_mean'], 4)} | {fmt(a['ess_mean'])} |")
   return "\n".join(lines)
+
+
+def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
+  """The reruns' rendering: one comparison table per lag (95% intervals, paired differences against
+  the k = 0 reference `sync_ppo_k0` and the best non-COPC baseline at that lag, Fisher tests of collapse
+  counts) and the curves figure (`figure`, beside `readme`), between `marker`'s markers."""
+  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()
+                 if c["overrides"].get("trainer.lag")}, reverse=True)
+  groups, tables = {}, []
+  for lag in lags:
+    names = [n for n, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag]
+    baseline = best_baseline(results, [n for n in names if not n.startswith("copc")])
+    groups[f"k = {lag} (sync PPO: k = 0)"] = ["sync_ppo_k0", *names]
+    tables.append(f"**k = {lag}** (best baseline: {baseline or 'none run yet'})\n\n"
+                  + comparison_table(results, ["sync_ppo_k0", *names], "sync_ppo_k0", baseline))
+  curves_figure(results, os.path.join(os.path.dirname(readme), figure), groups)
+  seeds = sorted({int(s) for c in results["cells"].values() for s in c["runs"]})
+  text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "
+          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
+          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. "
+          "Mean ± half-width of the 95% t interval over seeds; paired differences per seed.\n\n"
+          + "\n\n".join(tables) + f"\n\n![held-out accuracy curves]({figure})")
+  write_between_markers(readme, marker, text)
 
 
 def curves_figure(results: dict, path: str, groups: dict[str, list[str]]) -> None:

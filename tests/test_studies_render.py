@@ -88,6 +88,28 @@ def test_advantage_staleness_statistics():
   assert {0, 1, 6, 7} <= set(chosen) and len(chosen) == 5 and all(trajectory.mask[i] for i in chosen)
 
 
+def test_advantage_staleness_sets_a_collapsed_learner_apart(tmp_path):
+  module = load("advantage_staleness")
+  token = lambda a: {"mc_advantage": a, "mc_variance": 0.0, "episode": 0, "estimators": {"GAE": a + 0.1}}
+  tokens = lambda a: [token(a), {**token(-a), "episode": 1}]
+  seed = lambda rewards, a: {"learner_version": 8, "lags": {str(k): {
+      "tokens": tokens(a), "metrics": module.summarise(tokens(a), resamples=20), "abs_log_ratio_mean": 0.01 * k,
+      "outside_default_mask": 0.0, "reward_mean": r} for k, r in rewards.items()}}
+  healthy, collapsed = seed({0: 0.6, 4: 0.7}, 0.5), seed({0: 0.0, 4: 0.8}, 2.0)
+  assert module.learner_collapsed(healthy) is False and module.learner_collapsed(collapsed) is True
+  assert module.learner_collapsed(seed({0: 0.55, 4: 0.7}, 0.5)) is False        # a drop of 0.15: not collapsed
+  assert module.learner_collapsed(seed({4: 0.7}, 0.5)) is None                  # no lag 0: cannot tell
+  results = {"seeds": {"0": healthy, "1": collapsed}, "lag_of_training_run": 4, "updates": 8, "episodes": 2,
+             "mc_continuations": 2, "git_commit": "abc", "jax_version": "0"}
+  module.pool(results, resamples=20)
+  assert results["collapsed_seeds"] == ["1"] and results["lags"]["0"]["tokens"] == 2       # seed 0's only
+  assert results["lags"]["4"]["reward_mean"] == pytest.approx(0.7)
+  (tmp_path / "README.md").write_text("<!-- results:begin -->\n<!-- results:end -->\n")
+  module.render(results, here=str(tmp_path))
+  text = (tmp_path / "README.md").read_text()
+  assert "Seed 1: the learner collapsed" in text and "Seed 1, whose learner collapsed, on its own" in text
+
+
 def test_step_time_ratios_and_render(tmp_path):
   module = load("step_time")
   def method(t, stall=0.0):                  # a stall: one slow step (a server restarted mid-run)
@@ -134,6 +156,19 @@ def test_search_stability_cells_and_render(tmp_path):
   text = (tmp_path / "README.md").read_text()
   assert "| copc_k16 | 2 |" in text and "1/2 (at 50)" in text and (tmp_path / "curves.png").exists()
   assert "| copc_k16 | 2 | 0.400 ± 0.000 | 0.475 ± 0.175 | 0.075 ± 0.175 |" in text      # the RL gain table
+
+  # The rerun: the same presets as the other reruns, and the comparison by lag against sync PPO.
+  rerun = module.cells(module.RERUN["presets"], module.RERUN["lags"])
+  assert {c.name for c in rerun} >= {"sync_ppo_k0", "copc_anchor_behavior_k64", "rloo_k16", "tis_k64"}
+  assert next(c for c in rerun if c.name == "grpo_k16").overrides["trainer.group_size"] == 4
+  assert next(c for c in rerun if c.name == "copc_anchor_behavior_k64").overrides["actor.anchor"] == "behavior"
+  sync = {"0": run([(0, 0.4), (25, 0.6), (50, 0.7)], 2), "1": run([(0, 0.4), (25, 0.6), (50, 0.6)], 3)}
+  results["cells"]["sync_ppo_k0"] = {"overrides": {"trainer.mode": "sync", "trainer.lag": 0}, "runs": sync,
+                                     "aggregate": study.aggregate(sync)}
+  (tmp_path / "README.md").write_text("<!-- results_rerun:begin -->\n<!-- results_rerun:end -->\n")
+  module.render(results, here=str(tmp_path), name="results_rerun")
+  text = (tmp_path / "README.md").read_text()
+  assert "**k = 16** (best baseline: none run yet)" in text and (tmp_path / "curves_rerun.png").exists()
 
 
 def test_copc_default_rule_counts_only_settings_run_in_every_cell():

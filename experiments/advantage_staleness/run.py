@@ -14,8 +14,11 @@
    (version U, a second server, the real sandboxed tool and reward) from the prefix with a_t, and M
    from the prefix alone. Its noise variance, Var(Q̂)/M + Var(V̂)/M, is subtracted from the squared
    error, so the MSE column estimates E[(Â − A^π)²].
-4. The tokens of every seed are pooled per lag; 95% CIs come from a bootstrap over episodes (the
-   tokens of one episode share its continuations' randomness), and each seed's own numbers are kept.
+4. The tokens of every seed whose learner has not collapsed are pooled per lag; 95% CIs come from a
+   bootstrap over episodes (the tokens of one episode share its continuations' randomness), and each
+   seed's own numbers are kept. A learner has collapsed when its own episodes (k = 0) earn more than
+   `study.COLLAPSE_DROP` less reward than the best of its earlier versions measured (U − k): its
+   critic and policy then describe a different task, and it is reported apart, not pooled.
 
 GAE with λ = 0.8 and no correction is the control for the toy's best COPC setting (λ = 0.8,
 truncated traces, `vtrace_pg`): what both gain over λ = 1 is the shorter trace, and only a gap that
@@ -149,8 +152,18 @@ def measure_seed(args, seed: int) -> dict:
   return {"learner_version": version, "git_commit": study.git_commit(), "lags": rows}
 
 
+def learner_collapsed(seed_result: dict, drop: float = study.COLLAPSE_DROP) -> bool:
+  """Whether the learner (version U) earns on its own episodes (lag 0) more than `drop` less reward
+  than the best of the versions U − k measured (None: no lag-0 episodes to tell)."""
+  rewards = {int(k): row["reward_mean"] for k, row in seed_result["lags"].items()}
+  if 0 not in rewards:
+    return None
+  return rewards[0] < max(rewards.values()) - drop
+
+
 def pooled(per_seed: dict, resamples: int = 2000) -> dict:
-  """Per lag: every seed's tokens together (episodes keep their seed), ratios averaged over seeds."""
+  """Per lag: the tokens of every seed in `per_seed` together (episodes keep their seed), ratios
+  averaged over seeds."""
   lags = sorted(set.intersection(*(set(r["lags"]) for r in per_seed.values())), key=int)
   out = {}
   for lag in lags:
@@ -176,9 +189,19 @@ def measure(args, results: dict) -> dict:
                     "mc_continuations": args.mc, "updates": args.updates, "lag_of_training_run": max(args.lags),
                     "estimators": list(estimators_compared()), "jax_version": jax.__version__,
                     "git_commit": study.git_commit(), **study.provenance()})
-    results["lags"] = pooled(per_seed, args.resamples)
+    pool(results, args.resamples)
     study.write_json(args.out, results)
   return results
+
+
+def pool(results: dict, resamples: int = 2000) -> None:
+  """`results["lags"]`: the seeds whose learner has not collapsed, pooled; `collapsed_seeds` names the
+  others (their own numbers stay under `seeds`)."""
+  per_seed = results["seeds"]
+  collapsed = [s for s, r in per_seed.items() if learner_collapsed(r)]
+  healthy = {s: r for s, r in per_seed.items() if s not in collapsed}
+  results["collapsed_seeds"] = sorted(collapsed, key=int)
+  results["lags"] = pooled(healthy or per_seed, resamples)
 
 
 def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
@@ -234,28 +257,48 @@ def render(results: dict, here: str = HERE) -> None:
   fig.tight_layout()
   fig.savefig(os.path.join(here, "advantage_error.png"), dpi=110)
   plt.close(fig)
-  f = lambda s: f"{s['value']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
   r, seeds = results, sorted(results["seeds"], key=int)
+  collapsed = r.get("collapsed_seeds", [])
+  healthy = [s for s in seeds if s not in collapsed]
   versions = ", ".join(str(r["seeds"][s]["learner_version"]) for s in seeds)
+  rewards = "; ".join(f"seed {s}: " + ", ".join(f"{r['seeds'][s]['lags'][k]['reward_mean']:.2f}" for k in lags
+                                                if k in r["seeds"][s]["lags"]) for s in seeds)
+  apart = (f" Seed{'s' * (len(collapsed) > 1)} {', '.join(collapsed)}: the learner collapsed (its own "
+           f"episodes, k = 0, earn more than {study.COLLAPSE_DROP} less reward than its best earlier version), "
+           f"reported apart below, not pooled." if collapsed else " No learner collapsed.")
   lines = [f"Seeds {', '.join(seeds)}: the learner of a lag-{r['lag_of_training_run']} COPC run after "
            f"{r['updates']} updates (versions {versions}), its critic; {r['episodes']} episodes per lag and "
-           f"seed, M = {r['mc_continuations']}; tokens of all seeds pooled. Brackets: 95% bootstrap CIs "
-           f"over episodes; last column: each seed's own MSE. Commit {r['git_commit'][:10]}, "
+           f"seed, M = {r['mc_continuations']}. Reward of the behaviour episodes at k = {', '.join(lags)} "
+           f"({rewards}).{apart} Pooled: the tokens of seeds {', '.join(healthy)}. Brackets: 95% bootstrap "
+           f"CIs over episodes; last column: each pooled seed's own MSE. Commit {r['git_commit'][:10]}, "
            f"jax {r['jax_version']}.", "",
-           "| k | tokens | mean abs log r | tokens outside (0.5, 2) | estimator | bias | MSE | correlation | "
-           "MSE per seed |",
-           "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-  for k in lags:
-    row = results["lags"][k]
+           *error_table(results["lags"], r, healthy, lags, names, per_seed=True),
+           "", "![advantage error against lag, pooled seeds](advantage_error.png)"]
+  for s in collapsed:
+    lines += ["", f"Seed {s}, whose learner collapsed, on its own:", "",
+              *error_table(r["seeds"][s]["lags"], r, [s], lags, names, per_seed=False)]
+  study.write_between_markers(os.path.join(here, "README.md"), "results", "\n".join(lines))
+
+
+def error_table(rows: dict, results: dict, seeds: list[str], lags: list[str], names: list[str], *,
+                per_seed: bool) -> list[str]:
+  """Markdown rows: per lag and estimator, bias / MSE / correlation with CIs (and each seed's MSE)."""
+  f = lambda s: f"{s['value']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
+  lines = ["| k | tokens | mean abs log r | tokens outside (0.5, 2) | estimator | bias | MSE | correlation |"
+           + " MSE per seed |" * per_seed, "|---:|---:|---:|---:|---|---:|---:|---:|" + "---:|" * per_seed]
+  for k in [k for k in lags if k in rows]:
+    row = rows[k]
+    tokens = row["tokens"] if isinstance(row["tokens"], int) else len(row["tokens"])
     for j, name in enumerate(names):
       m = row["metrics"][name]
-      head = (f"| {k} | {row['tokens']} | {row['abs_log_ratio_mean']:.3f} | "
+      head = (f"| {k} | {tokens} | {row['abs_log_ratio_mean']:.3f} | "
               f"{row['outside_default_mask']:.3f} |") if j == 0 else "| | | | |"
-      per_seed = " / ".join(f"{r['seeds'][s]['lags'][k]['metrics'][name]['mse']['value']:.3f}" for s in seeds
-                            if k in r["seeds"][s]["lags"])
-      lines.append(f"{head} {name} | {f(m['bias'])} | {f(m['mse'])} | {f(m['correlation'])} | {per_seed} |")
-  lines += ["", "![advantage error against lag](advantage_error.png)"]
-  study.write_between_markers(os.path.join(here, "README.md"), "results", "\n".join(lines))
+      line = f"{head} {name} | {f(m['bias'])} | {f(m['mse'])} | {f(m['correlation'])} |"
+      if per_seed:
+        line += " " + " / ".join(f"{results['seeds'][s]['lags'][k]['metrics'][name]['mse']['value']:.3f}"
+                                 for s in seeds if k in results["seeds"][s]["lags"]) + " |"
+      lines.append(line)
+  return lines
 
 
 def main():
@@ -281,6 +324,9 @@ def main():
       results = {}
   if not args.render:
     results = measure(args, results)
+  elif "collapsed_seeds" not in results:        # a JSON written before collapsed learners were set apart
+    pool(results, args.resamples)
+    study.write_json(args.out, results)
   if os.path.abspath(args.out) == os.path.join(HERE, "results.json"):
     render(results)
 

@@ -35,47 +35,21 @@ CANDIDATES = study.CANDIDATES
 DEFAULT = dict(presets=("async_ppo", "decoupled_ppo", "copc"), lags=(4, 16), seeds=(0, 1, 2), steps=80)
 FULL = dict(presets=("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace", "copc"), lags=(4, 16, 64),
             seeds=(0, 1, 2), steps=300)
-RERUN = dict(presets=("async_ppo", "decoupled_ppo", "copc", "copc_anchor_behavior", "vtrace", "tis", "icepop",
-                      "grpo", "dr_grpo", "rloo"), lags=(64, 16), seeds=(0, 1, 2, 3), steps=300)
-# overrides of a preset that the rerun runs by name (beyond study.CANDIDATES)
-VARIANTS = {"copc_anchor_behavior": {"preset": "copc", "actor.anchor": "behavior"},
-            **{group: {"preset": group, "trainer.group_size": 4} for group in ("grpo", "dr_grpo", "rloo")}}
+RERUN = dict(presets=study.RERUN_PRESETS, lags=(64, 16), seeds=(0, 1, 2, 3), steps=300)
 
 
 def cells(presets, lags) -> list[study.Cell]:
   grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync"})]
-  named = lambda preset: CANDIDATES.get(preset, VARIANTS.get(preset, {"preset": preset}))
-  grid += [study.Cell(f"{preset}_k{lag}", {**named(preset), "trainer.mode": "lag", "trainer.lag": lag})
-           for lag in lags for preset in presets]
+  grid += [study.Cell(f"{preset}_k{lag}", {**study.named_setting(preset), "trainer.mode": "lag",
+                                           "trainer.lag": lag}) for lag in lags for preset in presets]
   return grid
-
-
-def render_rerun(results: dict, here: str = HERE) -> None:
-  """One table per lag (95% intervals, paired differences, exact tests) and the curves figure."""
-  lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()
-                 if "trainer.lag" in c["overrides"]}, reverse=True)
-  groups, tables = {}, []
-  for lag in lags:
-    names = [n for n, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag]
-    baseline = study.best_baseline(results, [n for n in names if not n.startswith("copc")])
-    groups[f"k = {lag} (sync PPO: k = 0)"] = ["sync_ppo_k0", *names]
-    tables.append(f"**k = {lag}** (best baseline: {baseline or 'none run yet'})\n\n"
-                  + study.comparison_table(results, ["sync_ppo_k0", *names], "sync_ppo_k0", baseline))
-  study.curves_figure(results, os.path.join(here, "curves_rerun.png"), groups)
-  seeds = sorted({int(s) for c in results["cells"].values() for s in c["runs"]})
-  text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "
-          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
-          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. "
-          "Mean ± half-width of the 95% t interval over seeds; paired differences per seed.\n\n"
-          + "\n\n".join(tables) + "\n\n![held-out accuracy curves](curves_rerun.png)")
-  study.write_between_markers(os.path.join(here, "README.md"), "results_rerun", text)
 
 
 def render(results: dict, here: str = HERE, name: str = "results") -> None:
   """Table and curves into README.md between the `name` markers (`results`, `results_full` or
   `results_rerun`)."""
   if name == "results_rerun":
-    return render_rerun(results, here)
+    return study.render_by_lag(results, os.path.join(here, "README.md"), "results_rerun", "curves_rerun.png")
   cells = results["cells"].values()
   lags = sorted({c["overrides"]["trainer.lag"] for c in cells if "trainer.lag" in c["overrides"]})
   groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [
@@ -101,9 +75,9 @@ def main():
   args = parser.parse_args()
   grid = RERUN if args.rerun else FULL if args.full else DEFAULT
   grid_cells = cells(grid["presets"], grid["lags"])
-  unknown = set(args.presets or ()) - set(presets.PRESETS) - set(CANDIDATES) - set(VARIANTS)
+  unknown = set(args.presets or ()) - set(presets.PRESETS) - set(CANDIDATES) - set(study.VARIANTS)
   if unknown:
-    allowed = sorted(presets.PRESETS) + sorted(CANDIDATES) + sorted(VARIANTS)
+    allowed = sorted(presets.PRESETS) + sorted(CANDIDATES) + sorted(study.VARIANTS)
     parser.error(f"--presets: {sorted(unknown)} unknown; allowed: {allowed}")
   if args.presets:                    # an extension of the same study: same seeds and updates
     grid_cells += [c for c in cells(args.presets, args.lags or grid["lags"]) if c not in grid_cells]

@@ -3,6 +3,14 @@
   python -m experiments.search_stability.run              # sync PPO + 5 presets × k ∈ {16, 64} × 2 seeds
   python -m experiments.search_stability.run --cells copc_k16 vtrace_k16   # part of the grid
   python -m experiments.search_stability.run --render                 # tables and figures from results.json
+  python -m experiments.search_stability.run --rerun --cells sync_ppo_k0 copc_k64   # the new learner
+
+`--rerun` is the study on the learner as the field runs it (the search config's defaults: several
+minibatches per batch, critic warm-up, centred whitening) with the presets of the other reruns
+(`study.RERUN_PRESETS`: COPC as the spec states it and μ-anchored, the group presets at 4 samples per
+prompt) at k = 64 and 16 against sync PPO, 4 seeds, 300 updates per run, into `results_rerun.json`:
+95% t intervals over seeds, paired differences against sync PPO and the best baseline at each lag,
+Fisher exact tests of the collapse counts (`study.render_by_lag`).
 
 The task (`configs/search.py`): half of each 2-hop question's demonstrations chain the second search
 and half stop after the first and guess (`task.demo_chain_fraction = 0.5`), so the warm-started policy
@@ -32,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PRESETS = ("async_ppo", "decoupled_ppo", "icepop", "vtrace", "copc")
 LAGS = (16, 64)
 SEEDS = (0, 1)
+RERUN = dict(presets=study.RERUN_PRESETS, lags=(64, 16), seeds=(0, 1, 2, 3))
 COMMON = {"trainer.eval_every": 25, "trainer.checkpoint_every": 25}
 SERIES = (("entropy", "policy entropy (nats/token)"), ("grad_norm", "actor gradient norm"),
           ("mask_fraction", "mask fraction"))
@@ -39,7 +48,7 @@ SERIES = (("entropy", "policy entropy (nats/token)"), ("grad_norm", "actor gradi
 
 def cells(presets, lags) -> list[study.Cell]:
   grid = [study.Cell("sync_ppo_k0", {"preset": "sync_ppo", "trainer.mode": "sync", "trainer.lag": 0})]
-  return grid + [study.Cell(f"{preset}_k{lag}", {**study.CANDIDATES.get(preset, {"preset": preset}),
+  return grid + [study.Cell(f"{preset}_k{lag}", {**study.named_setting(preset),
                                                  "trainer.mode": "lag", "trainer.lag": lag})
                  for lag in lags for preset in presets]
 
@@ -101,7 +110,11 @@ def gain_table(results: dict) -> str:
   return "\n".join(lines)
 
 
-def render(results: dict, here: str = HERE) -> None:
+def render(results: dict, here: str = HERE, name: str = "results") -> None:
+  """README.md between `name`'s markers: the first study's tables and figure (`results`), or the rerun's
+  comparison by lag (`results_rerun`)."""
+  if name == "results_rerun":
+    return study.render_by_lag(results, os.path.join(here, "README.md"), "results_rerun", "curves_rerun.png")
   figure(results, os.path.join(here, "curves.png"))
   reference = "sync_ppo_k0" if results["cells"].get("sync_ppo_k0", {}).get("runs") else None
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
@@ -119,25 +132,33 @@ def main():
   parser.add_argument("--cells", nargs="+", help="run only these cells (e.g. copc_k16)")
   parser.add_argument("--candidates", nargs="+", choices=sorted(study.CANDIDATES), default=[],
                       help="extend the grid with these COPC settings (study.CANDIDATES) at every lag")
+  parser.add_argument("--rerun", action="store_true", help="the study on the new learner (see above)")
   parser.add_argument("--render", action="store_true")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_search_stability"))
-  parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
+  parser.add_argument("--out", help="default: results.json (results_rerun.json with --rerun)")
   args = parser.parse_args()
-  grid = cells(PRESETS + tuple(args.candidates), LAGS)
+  name = "results_rerun" if args.rerun else "results"
+  args.out = args.out or os.path.join(HERE, f"{name}.json")
+  if args.rerun:
+    args.seeds = args.seeds if args.seeds != list(SEEDS) else list(RERUN["seeds"])
+  grid = cells((RERUN["presets"] if args.rerun else PRESETS) + tuple(args.candidates),
+               RERUN["lags"] if args.rerun else LAGS)
   if args.cells:
     unknown = set(args.cells) - {c.name for c in grid}
     if unknown:
       parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid]}")
     grid = [c for c in grid if c.name in args.cells]
   if args.render:
+    if not os.path.exists(args.out):
+      parser.error(f"--render: {args.out} does not exist yet (run the grid first)")
     with open(args.out) as f:
-      render(json.load(f))
+      render(json.load(f), name=name)
     return
   results = study.run(grid, args.seeds, config="configs/search.py", root=args.root, out=args.out,
                       common={**COMMON, "trainer.steps": args.updates}, target=0.6,
                       description="stability on knowledge search: lag mode, held-out accuracy of the learner")
-  if os.path.abspath(args.out) == os.path.join(HERE, "results.json"):
-    render(results)
+  if os.path.abspath(args.out) == os.path.join(HERE, f"{name}.json"):
+    render(results, name=name)
 
 
 if __name__ == "__main__":
