@@ -65,6 +65,20 @@ def test_joint_sweep_broad_region_and_cells(tmp_path):
   text = (tmp_path / "README.md").read_text()
   assert "cells within 0.03 of the best: 25%" in text and (tmp_path / "rl_heatmaps_policy_side.png").exists()
 
+  # The rerun: both lags in one grid (one root: one warm start per seed), read against the spec's cell.
+  grid = module.rerun_cells((2.0, module.INF), (64, 16))
+  assert [c.name for c in grid][:2] == ["h2_rho2_k64", "h2_rho∞_k64"] and len(grid) == 8
+  assert grid[0].overrides["trainer.lag"] == 64 and grid[-1].overrides["trainer.mode"] == "lag"
+  results = {"cells": {c.name: {"overrides": c.overrides, "runs": run(0.4 + 0.1 * i),
+                                "aggregate": study.aggregate(run(0.4 + 0.1 * i))} for i, c in enumerate(grid)},
+             "seeds": [0], "common_overrides": {"trainer.steps": 300}, "git_commit": "abc", "jax_version": "0",
+             "machine": "x"}
+  (tmp_path / "README.md").write_text("<!-- results_rerun:begin -->\n<!-- results_rerun:end -->\n")
+  module.render(results, here=str(tmp_path), name="results_rerun")
+  text = (tmp_path / "README.md").read_text()
+  assert "**k = 64** (the spec's setting: h2_rho2_k64; best cell: h∞_rho∞_k64)" in text
+  assert "**k = 16**" in text and (tmp_path / "rl_heatmaps_rerun.png").exists()
+
 
 def test_advantage_staleness_statistics():
   from copc_jax.rollout import agent

@@ -4,10 +4,18 @@
   python -m experiments.joint_sweep.run             # RL, lag k = 16: 3 × 3 cells × 2 seeds, 80 updates
   python -m experiments.joint_sweep.run --full      # RL: 6 × 6 × 3 seeds, 300 updates (--lag 64 too)
   python -m experiments.joint_sweep.run --policy_side   # RL, the policy-side grid: w_max × λ, 3 × 3 × 2
+  python -m experiments.joint_sweep.run --rerun     # RL on the new learner: 3 × 3 × k ∈ {64, 16} × 4 seeds
   python -m experiments.joint_sweep.run --render    # tables and heatmaps from the JSON files
 
 RL results go to `results.json` (COPC grid) or `policy_side.json`, with `_full` for `--full` and
 `_k<lag>` for a lag other than 16.
+
+`--rerun` (into `results_rerun.json`) is the RL grid on the learner as the field runs it (the task
+config's defaults: several minibatches per batch, critic warm-up, centred whitening) at k = 64 and 16
+in one grid under one `--root`, so both lags start from the *same* warm start per seed (pass the
+presets rerun's `--root` to share its warm starts too): 4 seeds, 300 updates per run; per lag, the
+mean final accuracy per cell, paired differences against the spec's setting (h = 2, ρ̄ = 2) and the
+grid's best cell, and Fisher tests of the collapse counts.
 
 A cell (h, ρ̄) is COPC with the token mask 1[1/h ≤ r ≤ h] and the advantage channel's clips
 ρ ∈ [1/ρ̄, ρ̄], traces c ∈ [1/ρ̄, min(ρ̄, 1)] (the exact part also with traces (0, 1)); ∞ is "no
@@ -131,6 +139,52 @@ def rl_cells(values) -> list[study.Cell]:
           for h in values for r in values]
 
 
+RERUN = dict(values=DEFAULT_VALUES, lags=(64, 16), seeds=(0, 1, 2, 3), steps=300)
+
+
+def rerun_cells(values, lags) -> list[study.Cell]:
+  """The COPC grid at every lag in one grid (one root, so one warm start per seed for every lag)."""
+  return [study.Cell(f"{c.name}_k{lag}", {**c.overrides, "trainer.mode": "lag", "trainer.lag": lag})
+          for lag in lags for c in rl_cells(values)]
+
+
+def render_rerun(results: dict, here: str = HERE) -> None:
+  """Per lag: a heatmap of mean final accuracy and a table against the spec's cell and the best cell."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cells = results["cells"]
+  lags = sorted({c["overrides"]["trainer.lag"] for c in cells.values()}, reverse=True)
+  rows = sorted({c["overrides"]["actor.mask_range"][1] for c in cells.values()})
+  columns = sorted({c["overrides"]["estimator.rho_clip"][1] for c in cells.values()})
+  fig, axes = plt.subplots(1, len(lags), figsize=(4.6 * len(lags), 4), squeeze=False)
+  tables = []
+  for ax, lag in zip(axes[0], lags, strict=True):
+    names = [n for n, c in cells.items() if c["overrides"]["trainer.lag"] == lag]
+    mean = np.full((len(rows), len(columns)), np.nan)
+    for name in names:
+      o, stat = cells[name]["overrides"], cells[name].get("aggregate", {}).get("final_eval_accuracy")
+      if stat:
+        mean[rows.index(o["actor.mask_range"][1]), columns.index(o["estimator.rho_clip"][1])] = stat["mean"]
+    heatmap(ax, mean.tolist(), rows, columns, f"k = {lag}: final held-out accuracy (mean)", fmt="{:.3f}")
+    ax.set_xlabel("advantage clip ρ̄")
+    ax.set_ylabel("mask half-width h")
+    spec, best = f"h2_rho2_k{lag}", study.best_baseline(results, names)
+    tables.append(f"**k = {lag}** (the spec's setting: {spec}; best cell: {best or 'none run yet'})\n\n"
+                  + study.comparison_table(results, names, spec, best))
+  fig.tight_layout()
+  fig.savefig(os.path.join(here, "rl_heatmaps_rerun.png"), dpi=110)
+  plt.close(fig)
+  seeds = sorted({int(s) for c in cells.values() for s in c["runs"]})
+  ran = sum(bool(c["runs"]) for c in cells.values())
+  text = (f"Grid so far: {ran} of {len(cells)} cells run, seeds {seeds}, "
+          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
+          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. Mean ± "
+          "half-width of the 95% t interval over seeds; paired differences per seed.\n\n" + "\n\n".join(tables)
+          + "\n\n![RL heatmaps, rerun](rl_heatmaps_rerun.png)")
+  study.write_between_markers(os.path.join(here, "README.md"), "results_rerun", text)
+
+
 def heatmap(ax, values, rows, columns, title, fmt="{:.2f}", cmap="viridis"):
   return figures.heatmap(ax, values, [label(r) for r in rows],
                          [label(c) if c >= 1 else f"{c:g}" for c in columns], title, fmt=fmt, cmap=cmap)
@@ -217,6 +271,8 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   """`results.json` / `results_full.json` (RL) or `exact.json`."""
   if name == "exact":
     render_exact(results, here)
+  elif name == "results_rerun":
+    render_rerun(results, here)
   else:
     render_rl(results, here, name)
 
@@ -228,6 +284,8 @@ def main():
   parser.add_argument("--render", action="store_true", help="only render the JSON files")
   parser.add_argument("--lag", type=int, default=16)
   parser.add_argument("--policy_side", action="store_true", help="decoupled PPO's w_max × λ grid (RL)")
+  parser.add_argument("--rerun", action="store_true", help="RL on the new learner, k = 64 and 16 (see above)")
+  parser.add_argument("--cells", nargs="+", help="with --rerun: run only these cells (e.g. h2_rho2_k64)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_joint_sweep"))
   args = parser.parse_args()
   if args.render:
@@ -238,6 +296,23 @@ def main():
   if args.exact:
     render(run_exact(os.path.join(HERE, "exact.json")), name="exact")
     return
+  if args.rerun:
+    grid = rerun_cells(RERUN["values"], RERUN["lags"])
+    if args.cells:
+      unknown = set(args.cells) - {c.name for c in grid}
+      if unknown:
+        parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid]}")
+      grid = [c for c in grid if c.name in args.cells]
+    results = study.run(grid, list(RERUN["seeds"]), config="configs/default.py", root=args.root,
+                        out=os.path.join(HERE, "results_rerun.json"),
+                        common={"trainer.steps": RERUN["steps"], "trainer.eval_every": 20,
+                                "trainer.checkpoint_every": 20},
+                        description="joint sweep of mask half-width × advantage clip, COPC, new learner, "
+                                    "k = 64 and 16 from shared warm starts")
+    render(results, name="results_rerun")
+    return
+  if args.cells:
+    parser.error("--cells is for --rerun")
   values, seeds, steps = (FULL_VALUES, (0, 1, 2), 300) if args.full else (DEFAULT_VALUES, (0, 1), 80)
   name = output_name(args.full, args.lag, args.policy_side)
   grid = policy_cells(values, LAMBDAS if args.full else RL_LAMBDAS) if args.policy_side else rl_cells(values)
