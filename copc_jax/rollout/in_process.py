@@ -4,10 +4,11 @@
     out = backend.generate(prompt_ids, 48, seed=7, stop_sequences=[end_ids])     # from any thread
     backend.push(WeightUpdate(3, nnx.state(actor, nnx.Param), "arrays"))        # or a directory by path
 
-The same `DecodeEngine` the JetStream servers run (`engine.py`: one prefill body, one insert body,
-`decode_step`), driven by one thread of this process: requests that arrive from any thread (the
-episode workers) are prefilled into free slots, then one jitted `lax.while_loop` decodes every busy
-slot for up to `steps_per_call` steps, stopping a slot on the device when it samples EOS, completes
+The same `DecodeEngine` the JetStream servers run (`engine.py`: its batched prefill body and
+`decode_step`), driven by one thread of this process: the requests waiting, from any thread (the
+episode workers), are prefilled together into free slots in one device call (an idle backend first
+waits `admission_window_s` for a batch sent together), then one jitted `lax.while_loop` decodes every
+busy slot for up to `steps_per_call` steps, stopping a slot on the device when it samples EOS, completes
 one of its stop sequences or reaches its `max_tokens` (finish reasons "stop", "stop_sequence",
 "length", as the servers report them). New requests join between calls. Tokens, log-probs and
 version tags follow the servers' sampling contract: with a seed, token i is drawn with
