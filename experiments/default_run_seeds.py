@@ -3,6 +3,8 @@
   python -m experiments.default_run_seeds                       # seeds 0 1 2, plus seed 0 once more
   python -m experiments.default_run_seeds --seeds 0 1 2 3 --repeats 1 --out experiments/default_run_seeds.json
   python -m experiments.default_run_seeds --render      # the README's table and reading from the JSON
+  python -m experiments.default_run_seeds --out experiments/default_run_seeds_in_process.json \
+      -- --config.rollout.backend=in_process             # the same runs with the in-process backend
 
 Each run is the README's main command (`python -m copc_jax.main --config=configs/default.py`,
 with `--config.seed=S`) in its own process and workdir under `--root`. A run that
@@ -116,6 +118,43 @@ def figure(result: dict, path: str) -> None:
   plt.close(fig)
 
 
+IN_PROCESS = study.beside(__file__, "_in_process.json")
+RESULTS_MD = os.path.join(ROOT, "docs", "results.md")
+
+
+def render_backends(jetstream: dict, in_process: dict) -> str:
+  """docs/results.md: the default job's held-out accuracy with either rollout backend, per seed and over
+  seeds (95% t interval), every number from the two JSONs."""
+  lines = ["| backend | commit | seeds | after warm start | after RL, mean ± 95% t | range after RL | "
+           "per run (seed: final) |", "|---|---|---:|---:|---:|---:|---|"]
+  for name, r in (("JetStream servers", jetstream), ("in-process", in_process)):
+    i, f = r["seeds"]["initial_eval_accuracy"], r["seeds"]["final_eval_accuracy"]
+    runs = ", ".join(f"{x['workdir_name']}: {x['final_eval_accuracy']:.3f}" for x in r["runs"])
+    lines.append(f"| {name} | {r['git_commit'][:7]} | {f['n']} | {i['mean']:.3f} | {f['mean']:.3f} ± "
+                 f"{f['ci95']:.3f} | {f['min']:.3f}–{f['max']:.3f} | {runs} |")
+  by_seed = lambda r: {x["seed"]: x["final_eval_accuracy"] for x in r["runs"]
+                       if "repeat" not in x["workdir_name"]}
+  a, b = by_seed(jetstream), by_seed(in_process)
+  both = sorted(set(a) & set(b))
+  difference = study.spread([b[s] - a[s] for s in both])
+  lines += ["", f"Paired by seed ({', '.join(map(str, both))}), in-process − JetStream: "
+            f"{difference['mean']:+.3f} ± {difference['ci95']:.3f} (95% t interval; range "
+            f"{difference['min']:+.3f} to {difference['max']:+.3f}). Same config (`configs/default.py`, async "
+            f"mode), same warm start per seed; commands: `{jetstream['command']}` with "
+            f"{' '.join(in_process['overrides'])} for the second row; wall time per run "
+            f"{min(x['wall_time_s'] for x in in_process['runs']) / 60:.0f}–"
+            f"{max(x['wall_time_s'] for x in in_process['runs']) / 60:.0f} min in-process, "
+            f"{min(x['wall_time_s'] for x in jetstream['runs']) / 60:.0f}–"
+            f"{max(x['wall_time_s'] for x in jetstream['runs']) / 60:.0f} min with servers (each beside other "
+            "work on this 2-core machine)."]
+  return "\n".join(lines)
+
+
+def write_backends() -> None:
+  with open(study.beside(__file__)) as f, open(IN_PROCESS) as g:
+    study.write_between_markers(RESULTS_MD, "default_run_backends", render_backends(json.load(f), json.load(g)))
+
+
 def write(result: dict) -> None:
   """The README's table and reading, and its figure, from `result`."""
   study.write_between_markers(os.path.join(ROOT, "README.md"), "default_run", render(result))
@@ -134,6 +173,8 @@ def main():
   if args.render:
     with open(args.out) as f:
       write(json.load(f))
+    if os.path.exists(IN_PROCESS):
+      write_backends()
     return
   commit = study.git_commit()           # the code the runs start with
   jobs = [(s, f"seed{s}") for s in args.seeds] + [(args.seeds[0], f"seed{args.seeds[0]}_repeat{i + 1}")
@@ -162,8 +203,12 @@ def main():
           f"{r['final_eval_accuracy']:.3f} | {r['reward_first_10']:.3f} / {r['reward_last_10']:.3f} |")
   for key, s in result["all_runs"].items():
     print(f"{key}: mean {s['mean']:.3f}, range {s['min']:.3f}–{s['max']:.3f} over {s['n']} runs")
-  write(result)
-  print(f"wrote {args.out}, the README's table and experiments/default_run_seeds.png")
+  if os.path.abspath(args.out) == study.beside(__file__):
+    write(result)
+    print(f"wrote {args.out}, the README's table and experiments/default_run_seeds.png")
+  elif os.path.abspath(args.out) == IN_PROCESS:
+    write_backends()
+    print(f"wrote {args.out} and docs/results.md's table of both backends")
 
 
 if __name__ == "__main__":

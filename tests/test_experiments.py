@@ -163,3 +163,19 @@ def test_peer_benchmark_times_our_side_and_its_peer_script_splits_steps(tmp_path
   readme.write_text("<!-- peer:begin -->\n<!-- peer:end -->\n")
   bench_peer.render(str(tmp_path / "peer.json"), str(readme))
   assert "| rollout tokens/s |" in readme.read_text() and "| weight sync, s |" in readme.read_text()
+
+
+def test_the_default_run_on_both_backends_is_read_from_the_two_jsons():
+  from experiments import default_run_seeds, study
+  def result(finals, commit):
+    runs = [{"workdir_name": f"seed{s}", "seed": s, "final_eval_accuracy": a, "initial_eval_accuracy": 0.4,
+             "wall_time_s": 420.0} for s, a in enumerate(finals)]
+    return {"git_commit": commit, "command": "python -m copc_jax.main --config=configs/default.py",
+            "overrides": ["--config.rollout.backend=in_process"], "runs": runs,
+            "seeds": {"initial_eval_accuracy": study.spread([0.4] * len(finals)),
+                      "final_eval_accuracy": study.spread(finals)}}
+  text = default_run_seeds.render_backends(result([0.5, 0.7, 0.9], "aaaaaaa1"),
+                                           result([0.6, 0.6, 1.0], "bbbbbbb2"))
+  assert "| JetStream servers | aaaaaaa | 3 | 0.400 | 0.700 ±" in text
+  assert "| in-process | bbbbbbb | 3 |" in text
+  assert "in-process − JetStream: +0.033 ±" in text and "range -0.100 to +0.100" in text
