@@ -224,7 +224,7 @@ def test_weight_pushes_between_requests_swap_without_recompiling(checkpoint, tmp
     prompt = [1, 40, 41, 42]
     client.generate(prompt, max_tokens=2)                  # compile prefill/insert/generate once
     compilations_before = client.status()["compilations"]
-    assert compilations_before == {"prefill": 1, "insert": 1, "generate": 1}
+    assert compilations_before == {"prefill": 1, "insert": 1, "generate": 1, "prefill_slots": 0}
     calls = client.status()["engine_calls"]
     assert calls["prefill"] == calls["insert"] == 1 and calls["generate"] >= 1
     assert client.update_weights(str(tmp_path / "v1"), version=1) == 1
@@ -362,7 +362,7 @@ def test_a_tensor_parallel_engine_decodes_like_one_device_and_swaps_in_place(che
   tokens, logprobs, state = engine_decode(sharded, prompts, steps=20)
   prefix = sharded.prefill(params=sharded.load_params(), padded_tokens=np.ones(16, np.int32), true_length=3)
   state = sharded.insert(prefix, state, 0)              # into a state that came out of generate
-  assert sharded.trace_counts == {"prefill": 1, "insert": 1, "generate": 1}
+  assert sharded.trace_counts == {"prefill": 1, "insert": 1, "generate": 1, "prefill_slots": 0}
   np.testing.assert_array_equal(tokens, expected_tokens)
   np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-5)
   kv_split = model.config.num_kv_heads % tensor_parallelism == 0
