@@ -193,3 +193,51 @@ def test_the_generate_loop_runs_at_most_calls_ahead_calls_past_the_detokenizer()
   backlog.get()
   loop.join(timeout=30)
   assert not loop.is_alive()
+
+
+def _prefill_loop(slots: int, prompts: list[list[int]]):
+  """A driver's prefill loop run in this thread on `prompts` queued before it starts, then a stop."""
+  import queue
+
+  from flax import nnx
+
+  from copc_jax.models import tiny
+  from copc_jax.models.decoder import Decoder
+  from copc_jax.rollout.engine import SamplingOptions
+
+  engine = jetstream_adapter.CopcEngine(Decoder(tiny.tiny_config("qwen2"), rngs=nnx.Rngs(0)),
+                                        max_concurrent_decodes=slots, max_prefill_length=32, max_length=64)
+  driver = object.__new__(jetstream_adapter.CopcDriver)
+  driver.live, driver._jax_padding, driver.admission_window_s = True, True, 60.0   # closes when slots fill
+  driver._prefill_engines, driver._prefill_params = [engine], [engine.load_params()]
+  driver._prefill_backlog, driver._transfer_backlogs = queue.Queue(), [queue.Queue()]
+  sent = [jetstream_adapter.RLActiveRequest(max_tokens=4, return_channel=None, prefill_content=prompt,
+                                            sampling=SamplingOptions(seed=i))
+          for i, prompt in enumerate(prompts)]
+  for request in [*sent, None]:
+    driver._prefill_backlog.put(request)
+  driver._prefill_thread(0)
+  transferred = [driver._transfer_backlogs[0].get_nowait() for _ in sent]
+  assert driver._transfer_backlogs[0].empty() and transferred == sent       # in order, each once
+  return engine, sent
+
+
+def test_the_prefill_loop_prefills_the_requests_waiting_together_as_each_alone():
+  prompts = [[5, 6, 7], list(range(3, 23)), [9, 8, 7, 6, 5]]            # buckets 16, 32, 16 (with BOS)
+  engine, sent = _prefill_loop(4, prompts)
+  assert engine.calls["prefill"] == 2                                    # one device call per bucket
+  params = engine.load_params().get()
+  for request, prompt in zip(sent, prompts):
+    tokens, length = [engine.config.bos_token_id or 0, *prompt], len(prompt) + 1
+    width = 16 if length <= 16 else 32
+    alone = engine.prefill_prompt(params, np.pad(tokens, (0, width - length)), length, request.sampling)
+    together = request.prefill_result
+    assert int(together.true_length) == length and int(together.seed) == int(alone.seed)
+    for name in ("keys", "values"):                                      # bit for bit, on the prompt
+      np.testing.assert_array_equal(getattr(together, name)[:, :, :length], getattr(alone, name)[:, :, :length])
+    np.testing.assert_array_equal(together.last_logits, alone.last_logits)
+
+
+def test_the_prefill_loop_takes_at_most_a_slot_per_request_per_call():
+  engine, _ = _prefill_loop(2, [[5, 6, 7], [4, 5], [1, 2, 3]])
+  assert engine.calls["prefill"] == 2                                    # two, then one
