@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -173,6 +174,29 @@ def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: 
                    env={**os.environ, "XLA_FLAGS": "", **({"COPC_AUTH_TOKEN": token} if token else {})})
 
 
+def digest(directory: str) -> str:
+  """The SHA-256 (first 16 hex digits) of the files under `directory`, by relative path: which warm
+  start a run began from (a warm start built again on another CPU differs: XLA sums in another order)."""
+  h = hashlib.sha256()
+  for base, dirs, files in sorted(os.walk(directory)):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(base, name)
+      h.update(os.path.relpath(path, directory).encode())
+      with open(path, "rb") as f:
+        h.update(f.read())
+  return h.hexdigest()[:16]
+
+
+def same_warm_start(a: dict, b: dict) -> bool:
+  """Whether two runs of a seed began from one warm start: the same digest where both recorded it,
+  else the same held-out accuracy at update 0 (the studies before digests; a greedy evaluation of the
+  warm start itself)."""
+  if a.get("warm_start") and b.get("warm_start"):
+    return a["warm_start"] == b["warm_start"]
+  return a["eval_curve"][0] == b["eval_curve"][0]
+
+
 def summarise(workdir: str, target: float) -> dict:
   """One run's numbers: the held-out curve, final accuracy, AUC, peak-to-final drop, updates to `target`."""
   rows = metrics.read_metrics(workdir)
@@ -302,7 +326,8 @@ def _run(cells, seeds, config, root, out, common, target, description, servers) 
         print(f"[{time.strftime('%H:%M:%S')}] {cell.name} seed {seed}", flush=True)
         _run_on(servers, config, {**common, **cell.overrides}, seed, workdir, warm_model or None, root)
         entry["runs"][str(seed)] = {**summarise(workdir, target), "wall_time_s": time.time() - start,
-                                    "git_commit": results["git_commit"]}
+                                    "git_commit": results["git_commit"],
+                                    **({"warm_start": digest(warm_model)} if warm_model else {})}
       else:
         entry["runs"][str(seed)] = {**summarise(workdir, target), "git_commit": results["git_commit"]}
       entry["aggregate"] = aggregate(entry["runs"])
@@ -362,10 +387,10 @@ def fmt(stat, digits=3) -> str:
 
 
 def paired_difference(results: dict, name: str, reference: str, key: str = "final_eval_accuracy"):
-  """`spread` over the seeds both cells ran of (cell − reference): seeds differ far more than methods,
-  and every cell of a seed starts from that seed's warm start."""
+  """`spread` over the seeds both cells ran from one warm start (`same_warm_start`) of (cell − reference):
+  seeds differ far more than methods, and every cell of a seed starts from that seed's warm start."""
   runs, ref = results["cells"][name]["runs"], results["cells"][reference]["runs"]
-  values = [runs[s][key] - ref[s][key] for s in runs if s in ref]
+  values = [runs[s][key] - ref[s][key] for s in runs if s in ref and same_warm_start(runs[s], ref[s])]
   stored = results["cells"][name].get("aggregate", {}).get(key)
   if stored is not None and "ci95" not in stored and values:   # a study run before intervals: as then
     return {"mean": float(np.mean(values)), "std": float(np.std(values)), "n": len(values)}
@@ -488,9 +513,24 @@ def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
   text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. "
-          "Mean ± half-width of the 95% t interval over seeds; paired differences per seed.\n\n"
+          "Mean ± half-width of the 95% t interval over seeds; paired differences per seed, over the seeds "
+          "both cells ran from one warm start." + warm_start_note(results) + "\n\n"
           + "\n\n".join(tables) + f"\n\n![held-out accuracy curves]({figure})")
   write_between_markers(readme, marker, text)
+
+
+def warm_start_note(results: dict) -> str:
+  """A sentence naming the runs whose seed's warm start differs from the seed's first run's (a warm
+  start built again, on another CPU): their cells pair with the others only over the remaining seeds."""
+  first, apart = {}, []
+  for name, entry in results["cells"].items():
+    for seed, run in sorted(entry["runs"].items()):
+      if not same_warm_start(first.setdefault(seed, run), run):
+        apart.append(f"{name} seed {seed}")
+  if not apart:
+    return ""
+  return (f" From another warm start than the rest of their seed (built again on another CPU; held-out "
+          f"accuracy at update 0 differs), so not paired with them: {', '.join(apart)}.")
 
 
 def curves_figure(results: dict, path: str, groups: dict[str, list[str]]) -> None:

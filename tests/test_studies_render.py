@@ -229,3 +229,21 @@ def test_the_comparison_table_pairs_seeds_against_the_best_baseline():
   # paired against b: (0.1 − 0.8, 0.7 − 0.7, 0 − 0.6) → mean −0.433; two of three collapsed (0.9 → 0.1, 0.9 → 0)
   assert "| -0.433 ± " in copc and "| 2/3 (at 300, 300) | 0.40 |" in copc
   assert next(line for line in table if line.startswith("| b_k64")).count("| – |") == 2
+
+
+def test_runs_from_another_warm_start_are_not_paired_and_are_named(tmp_path):
+  from experiments import study
+  run = lambda start, final, **extra: {"eval_curve": [(0, start), (300, final)], "final_eval_accuracy": final,
+                                       **extra}
+  results = {"cells": {"ref": {"runs": {"0": run(0.32, 0.7), "1": run(0.44, 0.8, warm_start="aa")}},
+                       "new": {"runs": {"0": run(0.33, 0.1), "1": run(0.44, 0.6, warm_start="aa"),
+                                        "2": run(0.5, 0.5)}}}}
+  difference = study.paired_difference(results, "new", "ref")
+  assert difference["n"] == 1 and difference["mean"] == pytest.approx(-0.2)      # seed 1 only
+  assert not study.same_warm_start(run(0.44, 0.8, warm_start="aa"), run(0.44, 0.8, warm_start="bb"))
+  assert study.warm_start_note(results).endswith("not paired with them: new seed 0.")
+  (tmp_path / "a" / "b").mkdir(parents=True)
+  (tmp_path / "a" / "b" / "w").write_bytes(b"1")
+  first = study.digest(str(tmp_path / "a"))
+  (tmp_path / "a" / "b" / "w").write_bytes(b"2")
+  assert study.digest(str(tmp_path / "a")) != first and len(first) == 16
