@@ -179,3 +179,7 @@ def test_the_default_run_on_both_backends_is_read_from_the_two_jsons():
   assert "| JetStream servers | aaaaaaa | 3 | 0.400 | 0.700 ±" in text
   assert "| in-process | bbbbbbb | 3 |" in text
   assert "in-process − JetStream: +0.033 ±" in text and "range -0.100 to +0.100" in text
+  other_start = result([0.6, 0.6, 1.0], "bbbbbbb2")
+  other_start["runs"][1]["initial_eval_accuracy"] = 0.45          # a warm start built on another CPU
+  text = default_run_seeds.render_backends(result([0.5, 0.7, 0.9], "aaaaaaa1"), other_start)
+  assert "Not paired" in text and "in-process − JetStream" not in text
