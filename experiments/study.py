@@ -522,15 +522,16 @@ def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
 def warm_start_note(results: dict) -> str:
   """A sentence naming the runs whose seed's warm start differs from the seed's first run's (a warm
   start built again, on another CPU): their cells pair with the others only over the remaining seeds."""
-  first, apart = {}, []
+  first, apart = {}, {}
   for name, entry in results["cells"].items():
     for seed, run in sorted(entry["runs"].items()):
       if not same_warm_start(first.setdefault(seed, run), run):
-        apart.append(f"{name} seed {seed}")
+        apart.setdefault(name, []).append(seed)
   if not apart:
     return ""
+  runs = "; ".join(f"{name} seed{'s' * (len(seeds) > 1)} {', '.join(seeds)}" for name, seeds in apart.items())
   return (f" From another warm start than the rest of their seed (built again on another CPU; held-out "
-          f"accuracy at update 0 differs), so not paired with them: {', '.join(apart)}.")
+          f"accuracy at update 0 differs), so not paired with them: {runs}.")
 
 
 def curves_figure(results: dict, path: str, groups: dict[str, list[str]]) -> None:

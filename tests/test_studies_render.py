@@ -242,6 +242,8 @@ def test_runs_from_another_warm_start_are_not_paired_and_are_named(tmp_path):
   assert difference["n"] == 1 and difference["mean"] == pytest.approx(-0.2)      # seed 1 only
   assert not study.same_warm_start(run(0.44, 0.8, warm_start="aa"), run(0.44, 0.8, warm_start="bb"))
   assert study.warm_start_note(results).endswith("not paired with them: new seed 0.")
+  results["cells"]["new"]["runs"]["1"]["warm_start"] = "bb"
+  assert study.warm_start_note(results).endswith("not paired with them: new seeds 0, 1.")
   (tmp_path / "a" / "b").mkdir(parents=True)
   (tmp_path / "a" / "b" / "w").write_bytes(b"1")
   first = study.digest(str(tmp_path / "a"))
