@@ -207,19 +207,14 @@ class SlotPrompt:
   options: SamplingOptions
 
 
-@dataclasses.dataclass
-class PrefillRows:
-  """One batched prefill's input: `tokens` [slots, width] and `true_length` [slots]; row r holds the
-  prompt at `indices[r]` of the caller's list, rows past `len(indices)` are padding."""
-
-  tokens: np.ndarray
-  true_length: np.ndarray
-  indices: list[int]
+def rows_bucket(count: int, slots: int) -> int:
+  """Rows of a batched prefill of `count` prompts: the next power of two, at most `slots` (few shapes)."""
+  return min(1 << max(count - 1, 0).bit_length(), slots)
 
 
 class DecodeEngine:
   """The served model: weights in a `ParamStore`, a decode state over `slots`, and four jitted
-  bodies — `prefill` (padded prompts → each its KV cache and last logits), `insert` (a prefix into a slot),
+  bodies — `prefill` (one prompt → its KV cache and last logits), `insert` (a prefix into a slot),
   `prefill_slots` (several prompts prefilled together, each into its slot) and `generate_step`
   (`decode_steps` decode steps of every slot, packed as `COLUMNS` int32 columns).
 
@@ -271,17 +266,14 @@ class DecodeEngine:
 
   # --- jitted bodies -------------------------------------------------------
 
-  def _prefill_impl(self, params, tokens, true_length):
-    """Padded prompts `tokens` [R, P] (true lengths [R]) prefilled together; per row its prefix's KV
-    cache [L, 1, P, KV, D] (keys, values) and last logits [V], as R separate outputs."""
+  def _prefill_impl(self, params, padded_tokens_p, true_length):
     self.trace_counts["prefill"] += 1
     model = self.model(params)
-    r, p = tokens.shape
-    cache = KVCache.create(self.config, batch=r, max_length=p, dtype=self.cache_dtype)
-    valid = jnp.arange(p)[None] < true_length[:, None]
-    logits, cache = model.decode(tokens, jnp.broadcast_to(jnp.arange(p), (r, p)), cache, valid)
-    last_logits = logits[jnp.arange(r), true_length - 1]
-    return tuple((cache.keys[:, i:i + 1], cache.values[:, i:i + 1], last_logits[i]) for i in range(r))
+    p = padded_tokens_p.shape[0]
+    cache = KVCache.create(self.config, batch=1, max_length=p, dtype=self.cache_dtype)
+    valid = (jnp.arange(p) < true_length)[None]
+    logits, cache = model.decode(padded_tokens_p[None], jnp.arange(p)[None], cache, valid)
+    return cache.keys, cache.values, logits[0, true_length - 1]
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
     self.trace_counts["insert"] += 1
@@ -348,69 +340,39 @@ class DecodeEngine:
                      options: SamplingOptions | None = None) -> Prefix:
     """The prefix of one padded prompt under (weights, version), with the request's sampling options
     (a request without a seed gets one from this engine's own stream)."""
-    return self.prefill_prompts(weights_and_version, [(padded_tokens, true_length, options)])[0]
-
-  def prefill_prompts(self, weights_and_version, prompts: list[tuple]) -> list[Prefix]:
-    """The prefixes of padded prompts `(padded_tokens, true_length, options)` (at most `slots`),
-    prefilled together: one device call per padded width, each of `slots` rows (`prefill_rows`), so
-    a prompt's prefix is bit for bit the one it gets alone, whatever else is waiting."""
-    if not 1 <= len(prompts) <= self._slots:
-      raise ValueError(f"prefill_prompts takes 1..{self._slots} prompts (the slots); got {len(prompts)}")
     weights, version = weights_and_version
-    prefixes = [None] * len(prompts)
-    for group in self.prefill_rows([(len(tokens), tokens, length) for tokens, length, _ in prompts]):
-      out = self._timed("prefill", self._prefill_jit, weights, group.tokens, group.true_length)
-      for index, (keys, values, last_logits) in zip(group.indices, out):
-        options = prompts[index][2] or SamplingOptions()
-        seed = options.seed if options.seed is not None else self._unseeded_requests()
-        p = options.params
-        # The scalars stay on the host (numpy) until `insert` takes them in: no device op per field.
-        prefixes[index] = Prefix(keys=keys, values=values, true_length=np.int32(prompts[index][1]),
-                                 last_logits=last_logits, version=np.int32(version),
-                                 temperature=np.float32(p.temperature), top_p=np.float32(p.top_p),
-                                 top_k=np.int32(p.top_k), seed=np.uint32(seed),
-                                 stop_sequences=options.stop_sequences)
-    return prefixes
+    keys, values, last_logits = self._timed("prefill", self._prefill_jit, weights,
+                                            np.asarray(padded_tokens, np.int32), np.int32(true_length))
+    options = options or SamplingOptions()
+    seed = options.seed if options.seed is not None else self._unseeded_requests()
+    p = options.params
+    # The scalars stay on the host (numpy) until `insert` takes them in: no device op per field.
+    return Prefix(keys=keys, values=values, true_length=np.int32(true_length), last_logits=last_logits,
+                  version=np.int32(version), temperature=np.float32(p.temperature), top_p=np.float32(p.top_p),
+                  top_k=np.int32(p.top_k), seed=np.uint32(seed), stop_sequences=options.stop_sequences)
 
   def insert_prefix(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
     return self._timed("insert", self._insert_jit, prefix, state, np.int32(slot))
 
-  def prefill_rows(self, prompts: list[tuple]) -> list[PrefillRows]:
-    """`(width, tokens, true_length)` per prompt grouped by width into `slots`-row arrays (row r of a
-    group: prompt `indices[r]`; the rest padding). Every prefill has this shape, so XLA computes a
-    row the same way whatever the other rows hold (a row's numbers change with the batch's shape)."""
-    groups = {}
-    for index, (width, tokens, length) in enumerate(prompts):
-      groups.setdefault(width, []).append((index, tokens, length))
-    out = []
-    for width, members in sorted(groups.items()):
-      rows = PrefillRows(np.zeros((self._slots, width), np.int32), np.ones(self._slots, np.int32), [])
-      for row, (index, tokens, length) in enumerate(members):
-        rows.tokens[row, :len(tokens)], rows.true_length[row] = tokens, length
-        rows.indices.append(index)
-      out.append(rows)
-    return out
-
   def prefill_into_slots(self, weights_and_version, prompts: list[SlotPrompt],
                          state: DecodeState) -> DecodeState:
     """`prompts` prefilled together under (weights, version), each into its slot: the same prefixes as
-    `prefill_prompt` + `insert_prefix` one at a time (tokens padded to their `prefill_bucket`), in one
-    device call per bucket (`prefill_rows`)."""
+    `prefill_prompt` + `insert_prefix` one at a time, in one device call (rows padded to
+    `rows_bucket`, tokens to the longest prompt's `prefill_bucket`)."""
     weights, version = weights_and_version
-    buckets = [(prefill_bucket(len(p.tokens), self._prefill_len), p.tokens, len(p.tokens)) for p in prompts]
-    for group in self.prefill_rows(buckets):
-      n = self._slots
-      rows = {"tokens": group.tokens, "true_length": group.true_length, "slot": np.full(n, n, np.int32),
-              "temperature": np.ones(n, np.float32), "top_p": np.ones(n, np.float32),
-              "top_k": np.zeros(n, np.int32), "seed": np.zeros(n, np.uint32)}
-      for row, index in enumerate(group.indices):
-        prompt = prompts[index]
-        p, seed = prompt.options.params, prompt.options.seed
-        rows["slot"][row] = prompt.slot
-        rows["temperature"][row], rows["top_p"][row], rows["top_k"][row] = p.temperature, p.top_p, p.top_k
-        rows["seed"][row] = seed if seed is not None else self._unseeded_requests()
-      state = self._timed("prefill_slots", self._prefill_slots_jit, weights, state, rows, np.int32(version))
-    return state
+    count = rows_bucket(len(prompts), self._slots)
+    width = prefill_bucket(max(len(p.tokens) for p in prompts), self._prefill_len)
+    rows = {"tokens": np.zeros((count, width), np.int32), "true_length": np.ones(count, np.int32),
+            "slot": np.full(count, self._slots, np.int32), "temperature": np.ones(count, np.float32),
+            "top_p": np.ones(count, np.float32), "top_k": np.zeros(count, np.int32),
+            "seed": np.zeros(count, np.uint32)}
+    for row, prompt in enumerate(prompts):
+      p, seed = prompt.options.params, prompt.options.seed
+      rows["tokens"][row, :len(prompt.tokens)] = prompt.tokens
+      rows["true_length"][row], rows["slot"][row] = len(prompt.tokens), prompt.slot
+      rows["temperature"][row], rows["top_p"][row], rows["top_k"][row] = p.temperature, p.top_p, p.top_k
+      rows["seed"][row] = seed if seed is not None else self._unseeded_requests()
+    return self._timed("prefill_slots", self._prefill_slots_jit, weights, state, rows, np.int32(version))
 
   def generate_step(self, state: DecodeState):
     """(state, data [slots, COLUMNS × decode_steps] int32) with the weights served now."""

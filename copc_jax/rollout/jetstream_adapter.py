@@ -24,9 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import queue
 import sys
-import time
 import types
 
 import grpc
@@ -225,12 +223,8 @@ class CopcEngine(DecodeEngine, engine_api.Engine):
   def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length):
     if existing_prefix is not None:
       raise NotImplementedError("prefix continuation is not supported")
-    return self.prefill_batch(params, [(padded_tokens, true_length)])[0]
-
-  def prefill_batch(self, params, prompts: list[tuple]) -> list:
-    """`prefill` of several `(padded_tokens, true_length)` in one device call (`CopcDriver`'s loop)."""
-    prompts = [(p if isinstance(p, SampledPrompt) else SampledPrompt(p), length) for p, length in prompts]
-    return self.prefill_prompts(params.get(), [(p.tokens, length, p.options) for p, length in prompts])
+    prompt = padded_tokens if isinstance(padded_tokens, SampledPrompt) else SampledPrompt(padded_tokens)
+    return self.prefill_prompt(params.get(), prompt.tokens, true_length, prompt.options)
 
   def insert(self, prefix, decode_state, slot):
     self.slot_stops.start(slot, prefix.stop_sequences)
@@ -280,21 +274,15 @@ GENERATE_RACE = "At this point we must have some requests inserted into the slot
 
 
 class CopcDriver(orchestrator.Driver):
-  """JetStream's Driver; prefills the requests waiting together (`_prefill_thread`), hands each
-  request's sampling options to the engine's prefill, survives the generate loop's race
-  (`_generate_thread`), and bounds how far that loop runs ahead."""
+  """JetStream's Driver; hands each request's sampling options to the engine's prefill, survives
+  the generate loop's race (`_generate_thread`), and bounds how far that loop runs ahead."""
 
-  def __init__(self, *args, calls_ahead: int = 2, admission_window_s: float = 0.002, **kwargs):
+  def __init__(self, *args, calls_ahead: int = 2, **kwargs):
     """`calls_ahead`: generate calls the loop may have waiting for the detokenize thread (JetStream
     0.2.2: 8). A slot is freed only when the detokenizer sees its request finish, so every call
-    ahead decodes a finished slot for nothing; 2 keeps the device fed while the host catches up.
-    `admission_window_s`: how long the prefill loop waits, after a request, for others to prefill
-    with it (a batch sent together arrives over a few milliseconds)."""
+    ahead decodes a finished slot for nothing; 2 keeps the device fed while the host catches up."""
     if calls_ahead < 1:
       raise ValueError(f"calls_ahead must be >= 1; got {calls_ahead}")
-    if admission_window_s < 0:
-      raise ValueError(f"admission_window_s must be >= 0; got {admission_window_s}")
-    self.admission_window_s = admission_window_s
     super().__init__(*args, **kwargs)
     for backlog in self._detokenize_backlogs:     # before any request: nothing is queued yet
       with backlog.mutex:
@@ -321,30 +309,6 @@ class CopcDriver(orchestrator.Driver):
         if str(err) != GENERATE_RACE or not self.live:
           raise
         logging.info("generate loop %d: every slot was freed during its insert pass; starting over", idx)
-
-  def _prefill_thread(self, idx: int):
-    """JetStream's prefill loop, batched: the requests waiting (up to the engine's slots; after the first
-    one, those that arrive within `admission_window_s`) are prefilled in one device call, then handed to
-    the transfer queue one by one as 0.2.2's loop hands its single request."""
-    engine, params = self._prefill_engines[idx], self._prefill_params[idx]
-    tokenizer = engine.build_tokenizer(engine.get_tokenizer())
-    while self.live:
-      batch = [self._prefill_backlog.get(block=True)]
-      deadline = time.monotonic() + self.admission_window_s
-      while batch[-1] is not None and len(batch) < engine.max_concurrent_decodes:
-        try:
-          batch.append(self._prefill_backlog.get(timeout=max(deadline - time.monotonic(), 0.0)))
-        except queue.Empty:
-          break
-      waiting = [request for request in batch if request is not None]
-      if waiting:
-        prompts = [self._process_prefill_content(request, tokenizer, not request.history_path,
-                                                 engine.max_prefill_length) for request in waiting]
-        for request, prefix in zip(waiting, engine.prefill_batch(params, prompts)):
-          request.prefill_result = prefix
-          self._transfer_backlogs[idx].put(request, block=True)
-      if batch[-1] is None:         # the driver is stopping
-        break
 
   def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
     content = request.prefill_content
