@@ -13,7 +13,9 @@ one of its stop sequences or reaches its `max_tokens` (finish reasons "stop", "s
 "length", as the servers report them). New requests join between calls. Tokens, log-probs and
 version tags follow the servers' sampling contract: with a seed, token i is drawn with
 fold_in(key(seed), i) from the weights' logits, so the same request gives the same tokens here and on
-a server. Multi-turn tool calls happen between `generate` calls, as with the servers.
+a server (up to float rounding: a prompt prefilled together with others is computed in a batch of
+another shape, which moves its logits by about 1e-7; the servers prefill one prompt at a time).
+Multi-turn tool calls happen between `generate` calls, as with the servers.
 
 One host only (a multi-process learner has no single process to generate in: use the JetStream pool).
 Sync, lag and async modes all work; in async mode the driver thread shares the devices with the
