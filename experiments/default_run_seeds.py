@@ -139,8 +139,8 @@ def render_backends(jetstream: dict, in_process: dict) -> str:
   both = sorted(set(a) & set(b))
   start = lambda r: {x["seed"]: x["initial_eval_accuracy"] for x in r["runs"]}
   same_start = all(start(jetstream)[s] == start(in_process)[s] for s in both)
-  difference = study.spread([b[s] - a[s] for s in both])
   if same_start:
+    difference = study.spread([b[s] - a[s] for s in both])
     lines += ["", f"Paired by seed ({', '.join(map(str, both))}), from the same warm start per seed, "
               f"in-process − JetStream: {difference['mean']:+.3f} ± {difference['ci95']:.3f} (95% t "
               f"interval; range {difference['min']:+.3f} to {difference['max']:+.3f}). "]

@@ -322,12 +322,12 @@ def _run(cells, seeds, config, root, out, common, target, description, servers) 
       if not os.path.exists(os.path.join(workdir, "summary.json")):
         if warm_model is None:
           warm_model = shared_warm_start(config, common, seed, root) or ""
+          warm_digest = {"warm_start": digest(warm_model)} if warm_model else {}
         start = time.time()
         print(f"[{time.strftime('%H:%M:%S')}] {cell.name} seed {seed}", flush=True)
         _run_on(servers, config, {**common, **cell.overrides}, seed, workdir, warm_model or None, root)
         entry["runs"][str(seed)] = {**summarise(workdir, target), "wall_time_s": time.time() - start,
-                                    "git_commit": results["git_commit"],
-                                    **({"warm_start": digest(warm_model)} if warm_model else {})}
+                                    "git_commit": results["git_commit"], **warm_digest}
       else:
         entry["runs"][str(seed)] = {**summarise(workdir, target), "git_commit": results["git_commit"]}
       entry["aggregate"] = aggregate(entry["runs"])

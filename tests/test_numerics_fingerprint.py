@@ -42,4 +42,3 @@ def test_the_default_configs_numerics_match_the_recorded_fingerprint(tmp_path):
       as_float = lambda v: np.nan if v is None else v          # null: undefined (equal when both are)
       np.testing.assert_allclose(as_float(mine[key]), as_float(theirs[key]), rtol=rtol, atol=atol,
                                  err_msg=f"update {mine['step']}, {key}: {advice}")
-
