@@ -8,8 +8,10 @@
 
 - Every cell × seed is `python -m copc_jax.main --config=... --config.seed=S --config.<k>=<v>` in its
   own process and workdir (`root/<cell>/seed<S>`).
-- One warm start per seed, shared by every cell (`root/_warm_start/seed<S>`, `warm_start.prepare`):
-  cells start from the same weights and skip the ~1 minute of supervised steps.
+- One warm start per seed, shared by every cell (`root/_warm_start/seed<S>`): the one shipped in the
+  repository for the config's settings (`warm_start_store`: cells run in other sessions, on other CPUs,
+  still begin from the same weights), else built once by `warm_start.prepare`. Every run records the
+  digest of the warm start it began from.
 - Resumable: a cell × seed already in the results JSON, or whose `summary.json` exists, is not rerun;
   rerunning the command (with more seeds or cells, in a later session too) extends the study. The
   results JSON is rewritten after every cell.
@@ -28,7 +30,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import os
@@ -47,7 +48,8 @@ from copc_jax.rollout import auth
 from copc_jax.rollout.process import ServerProcess
 from copc_jax.train import metrics, trainer, warm_start
 from copc_jax.train import workdir as workdir_lib
-from experiments import figures
+from experiments import figures, warm_start_store
+from experiments.warm_start_store import digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,10 +98,21 @@ def load_config(config: str, overrides: dict, seed: int):
 
 
 def shared_warm_start(config: str, common: dict, seed: int, root: str) -> str | None:
-  """The warm-started model of `seed`, built once under `root/_warm_start` (None: no warm start)."""
+  """The warm-started model of `seed` under `root/_warm_start` (None: the config has no warm start): the
+  one shipped in the repository for these settings (`warm_start_store`), else built once there."""
   typed = load_config(config, common, seed)
   if not typed.warm_start.steps:
     return None
+  model_dir = os.path.join(root, "_warm_start", f"seed{seed}", "model")
+  if warm_start_store.install(config, typed, seed, model_dir) is not None:
+    print(f"warm start: the shipped one of {warm_start_store.name_of(config)} seed {seed}", flush=True)
+    return model_dir
+  return build_warm_start(config, common, seed, root)
+
+
+def build_warm_start(config: str, common: dict, seed: int, root: str) -> str:
+  """The warm start of `seed` built (or reused) under `root/_warm_start/seed<S>` by `warm_start.prepare`."""
+  typed = load_config(config, common, seed)
   directory = os.path.join(root, "_warm_start", f"seed{seed}")
   base = trainer.base_checkpoint(typed, directory)
   return warm_start.prepare(make_task(typed.task, seed), base, directory, typed.warm_start, seed=seed,
@@ -172,20 +185,6 @@ def run_cell(config: str, overrides: dict, seed: int, workdir: str, warm_model: 
   with open(os.path.join(workdir, "stdout.log"), "a") as log:
     subprocess.run(command, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT,
                    env={**os.environ, "XLA_FLAGS": "", **({"COPC_AUTH_TOKEN": token} if token else {})})
-
-
-def digest(directory: str) -> str:
-  """The SHA-256 (first 16 hex digits) of the files under `directory`, by relative path: which warm
-  start a run began from (a warm start built again on another CPU differs: XLA sums in another order)."""
-  h = hashlib.sha256()
-  for base, dirs, files in sorted(os.walk(directory)):
-    dirs.sort()
-    for name in sorted(files):
-      path = os.path.join(base, name)
-      h.update(os.path.relpath(path, directory).encode())
-      with open(path, "rb") as f:
-        h.update(f.read())
-  return h.hexdigest()[:16]
 
 
 def same_warm_start(a: dict, b: dict) -> bool:
