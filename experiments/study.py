@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -264,12 +265,17 @@ def provenance() -> dict:
 
 
 def run(cells: list[Cell], seeds: list[int], *, config: str, root: str, out: str, common: dict | None = None,
-        target: float = 0.8, description: str = "", share_servers: bool = True) -> dict:
-  """Run (or read) every cell × seed and write the results JSON after each; returns it."""
+        target: float = 0.8, description: str = "", share_servers: bool = True,
+        replace_other_warm_starts: bool = False) -> dict:
+  """Run (or read) every cell × seed and write the results JSON after each; returns it.
+
+  `replace_other_warm_starts`: a run in the JSON that did not begin from the seed's shipped warm start
+  (`warm_start_store`; another digest, or none recorded) is run again from it; the earlier run moves to
+  the cell's `superseded_runs` and its workdir to `<workdir>.superseded`, so nothing measured is lost."""
   servers: list[SharedServers] = []
   try:
     return _run(cells, seeds, config, root, out, dict(common or {}), target, description,
-                servers if share_servers else None)
+                servers if share_servers else None, replace_other_warm_starts)
   finally:
     for each in servers:
       each.close()
@@ -301,7 +307,29 @@ def trainer_base(config: str, overrides: dict, seed: int, root: str) -> str:
   return trainer.base_checkpoint(load_config(config, overrides, seed), os.path.join(root, "_base"))
 
 
-def _run(cells, seeds, config, root, out, common, target, description, servers) -> dict:
+REPLACE_HELP = ("run again, from the seed's shipped warm start (experiments/warm_starts), every run in the "
+                "JSON that began from another; the earlier runs stay in the JSON as superseded_runs")
+
+
+def shipped_digest(config: str, common: dict, seed: int) -> str:
+  """The digest of the warm start shipped for `config` and `seed` (an error naming the command that
+  records one, where none is)."""
+  shipped = warm_start_store.lookup(config, load_config(config, common, seed), seed)
+  if shipped is None:
+    raise ValueError(f"no shipped warm start for {config} seed {seed} with these settings; record one with "
+                     f"python -m experiments.warm_start_store --config {config} --seeds {seed}")
+  return shipped[1]
+
+
+def _supersede(entry: dict, seed: int, workdir: str) -> None:
+  """Move a seed's earlier run of a cell aside (JSON and workdir) so that it runs again."""
+  entry.setdefault("superseded_runs", {}).setdefault(str(seed), []).append(entry["runs"].pop(str(seed)))
+  if os.path.exists(workdir):
+    shutil.rmtree(f"{workdir}.superseded", ignore_errors=True)
+    os.rename(workdir, f"{workdir}.superseded")
+
+
+def _run(cells, seeds, config, root, out, common, target, description, servers, replace_other) -> dict:
   results = {"description": description, "config": config, "common_overrides": common, "seeds": seeds,
              "target_accuracy": target, "git_commit": git_commit(), "jax_version": jax.__version__,
              "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -313,22 +341,26 @@ def _run(cells, seeds, config, root, out, common, target, description, servers) 
       results["cells"] = json.load(f).get("cells", {})
   for seed in seeds:
     warm_model = None
+    wanted = shipped_digest(config, common, seed) if replace_other else None
     for cell in cells:
       workdir = os.path.join(root, cell.name, f"seed{seed}")
       entry = results["cells"].setdefault(cell.name, {"overrides": {**common, **cell.overrides}, "runs": {}})
       if str(seed) in entry["runs"]:
-        continue          # measured before (this session or an earlier one): the JSON is the record
+        if wanted is None or entry["runs"][str(seed)].get("warm_start") == wanted:
+          continue        # measured before (this session or an earlier one): the JSON is the record
+        _supersede(entry, seed, workdir)
+      if warm_model is None:
+        warm_model = shared_warm_start(config, common, seed, root) or ""
+        warm_digest = {"warm_start": digest(warm_model)} if warm_model else {}
       if not os.path.exists(os.path.join(workdir, "summary.json")):
-        if warm_model is None:
-          warm_model = shared_warm_start(config, common, seed, root) or ""
-          warm_digest = {"warm_start": digest(warm_model)} if warm_model else {}
         start = time.time()
         print(f"[{time.strftime('%H:%M:%S')}] {cell.name} seed {seed}", flush=True)
         _run_on(servers, config, {**common, **cell.overrides}, seed, workdir, warm_model or None, root)
         entry["runs"][str(seed)] = {**summarise(workdir, target), "wall_time_s": time.time() - start,
                                     "git_commit": results["git_commit"], **warm_digest}
       else:
-        entry["runs"][str(seed)] = {**summarise(workdir, target), "git_commit": results["git_commit"]}
+        entry["runs"][str(seed)] = {**summarise(workdir, target), "git_commit": results["git_commit"],
+                                    **warm_digest}
       entry["aggregate"] = aggregate(entry["runs"])
       write_json(out, results)
   return results
@@ -336,14 +368,29 @@ def _run(cells, seeds, config, root, out, common, target, description, servers) 
 
 def resummarise(results: dict, root: str) -> dict:
   """Every run whose workdir is still under `root` summarised again from its rows by this commit's
-  `summarise` (what a run measured does not change; what the study derives from its rows may)."""
+  `summarise` (what a run measured does not change; what the study derives from its rows may), with the
+  digest of its warm start where it ran before runs recorded one (`warm_start_of`)."""
   for name, entry in results["cells"].items():
     for seed, run in entry["runs"].items():
       workdir = os.path.join(root, name, f"seed{seed}")
       if os.path.exists(os.path.join(workdir, "summary.json")):
-        entry["runs"][seed] = {**run, **summarise(workdir, results["target_accuracy"])}
+        began_from = {} if run.get("warm_start") else {"warm_start": warm_start_of(workdir)}
+        entry["runs"][seed] = {**run, **summarise(workdir, results["target_accuracy"]),
+                               **{k: v for k, v in began_from.items() if v}}
     entry["aggregate"] = aggregate(entry["runs"])
   return results
+
+
+def warm_start_of(workdir: str) -> str | None:
+  """The digest of the warm start a run's resolved config names (`model.checkpoint`, first line of its
+  stdout.log that prints the config), as that directory is now; None where it names none or it is gone.
+  Right unless the study root's warm start was built again after the run."""
+  with open(os.path.join(workdir, "stdout.log")) as f:
+    line = next((line for line in f if line.startswith("config (resolved): ")), None)
+  if line is None:
+    return None
+  checkpoint_dir = json.loads(line.removeprefix("config (resolved): "))["model"]["checkpoint"]
+  return digest(checkpoint_dir) if os.path.isfile(os.path.join(checkpoint_dir, "config.json")) else None
 
 
 def write_benchmark(path: str, results: dict) -> None:

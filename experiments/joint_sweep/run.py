@@ -287,6 +287,7 @@ def main():
   parser.add_argument("--rerun", action="store_true", help="RL on the new learner, k = 64 and 16 (see above)")
   parser.add_argument("--cells", nargs="+", help="with --rerun: run only these cells (e.g. h2_rho2_k64)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_joint_sweep"))
+  parser.add_argument("--replace-other-warm-starts", action="store_true", help=study.REPLACE_HELP)
   args = parser.parse_args()
   if args.render:
     for path in sorted(glob.glob(os.path.join(HERE, "*.json"))):
@@ -308,7 +309,8 @@ def main():
                         common={"trainer.steps": RERUN["steps"], "trainer.eval_every": 20,
                                 "trainer.checkpoint_every": 20},
                         description="joint sweep of mask half-width × advantage clip, COPC, new learner, "
-                                    "k = 64 and 16 from shared warm starts")
+                                    "k = 64 and 16 from shared warm starts",
+                        replace_other_warm_starts=args.replace_other_warm_starts)
     render(results, name="results_rerun")
     return
   if args.cells:

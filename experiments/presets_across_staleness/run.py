@@ -68,10 +68,13 @@ def main():
   parser.add_argument("--full", action="store_true")
   parser.add_argument("--rerun", action="store_true", help="the study on the new learner (see above)")
   parser.add_argument("--render", action="store_true", help="only render results.json")
+  parser.add_argument("--resummarise", action="store_true",
+                      help="with --render: summarise again the runs whose workdirs are under --root")
   parser.add_argument("--presets", nargs="+", help="extend the grid with these presets (or CANDIDATES) ...")
   parser.add_argument("--lags", type=int, nargs="+", help="... at these lags (default: the grid's)")
   parser.add_argument("--cells", nargs="+", help="run only these cells of the grid (e.g. copc_k64)")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_presets_across_staleness"))
+  parser.add_argument("--replace-other-warm-starts", action="store_true", help=study.REPLACE_HELP)
   args = parser.parse_args()
   grid = RERUN if args.rerun else FULL if args.full else DEFAULT
   grid_cells = cells(grid["presets"], grid["lags"])
@@ -90,13 +93,18 @@ def main():
   out = os.path.join(HERE, f"{name}.json")
   if args.render:
     with open(out) as f:
-      render(json.load(f), name=name)
+      results = json.load(f)
+    if args.resummarise:
+      results = study.resummarise(results, args.root)
+      study.write_json(out, results)
+    render(results, name=name)
     return
   results = study.run(grid_cells, list(grid["seeds"]), config="configs/default.py",
                       root=args.root, out=out,
                       common={"trainer.steps": grid["steps"], "trainer.eval_every": 20,
                               "trainer.checkpoint_every": 20},
-                      description="presets across staleness: lag mode, held-out accuracy of the learner")
+                      description="presets across staleness: lag mode, held-out accuracy of the learner",
+                      replace_other_warm_starts=args.replace_other_warm_starts)
   render(results, name=name)
 
 
