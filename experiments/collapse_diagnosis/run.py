@@ -204,6 +204,7 @@ def main():
   parser.add_argument("--resummarise", action="store_true",
                       help="with --render: summarise every run again from its workdir's rows under --root")
   parser.add_argument("--root", default=None)
+  parser.add_argument("--replace-other-warm-starts", action="store_true", help=study.REPLACE_HELP)
   args = parser.parse_args()
   config, target = TASKS[args.task]
   out = os.path.join(HERE, f"results_{args.task}.json")
@@ -217,7 +218,8 @@ def main():
     return
   results = study.run(cells(args.cells or list(CELLS)), args.seeds, config=config, root=root, out=out,
                       common={**COMMON, "trainer.steps": args.updates}, target=target,
-                      description=f"collapse diagnosis at lag {LAG} on {args.task}")
+                      description=f"collapse diagnosis at lag {LAG} on {args.task}",
+                      replace_other_warm_starts=args.replace_other_warm_starts)
   study.write_json(out, render(results, f"results_{args.task}"))
 
 

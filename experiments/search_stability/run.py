@@ -136,6 +136,7 @@ def main():
   parser.add_argument("--render", action="store_true")
   parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "copc_search_stability"))
   parser.add_argument("--out", help="default: results.json (results_rerun.json with --rerun)")
+  parser.add_argument("--replace-other-warm-starts", action="store_true", help=study.REPLACE_HELP)
   args = parser.parse_args()
   name = "results_rerun" if args.rerun else "results"
   args.out = args.out or os.path.join(HERE, f"{name}.json")
@@ -156,7 +157,8 @@ def main():
     return
   results = study.run(grid, args.seeds, config="configs/search.py", root=args.root, out=args.out,
                       common={**COMMON, "trainer.steps": args.updates}, target=0.6,
-                      description="stability on knowledge search: lag mode, held-out accuracy of the learner")
+                      description="stability on knowledge search: lag mode, held-out accuracy of the learner",
+                      replace_other_warm_starts=args.replace_other_warm_starts)
   if os.path.abspath(args.out) == os.path.join(HERE, f"{name}.json"):
     render(results, name=name)
 
