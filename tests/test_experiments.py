@@ -183,3 +183,31 @@ def test_the_default_run_on_both_backends_is_read_from_the_two_jsons():
   other_start["runs"][1]["initial_eval_accuracy"] = 0.45          # a warm start built on another CPU
   text = default_run_seeds.render_backends(result([0.5, 0.7, 0.9], "aaaaaaa1"), other_start)
   assert "Not paired" in text and "in-process − JetStream" not in text
+
+
+def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
+  """experiments/rerun_studies.sh, run with a Python that only records its arguments: every study it
+  calls defines the flags it passes, and every cell it names is in that study's rerun grid."""
+  from experiments.presets_across_staleness import run as presets_run
+  log = tmp_path / "calls.txt"
+  fake = tmp_path / "python"
+  fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {log}\n[ \"$1\" = - ] && exit 1\nexit 0\n")
+  fake.chmod(0o755)
+  subprocess.run(["bash", os.path.join(ROOT, "experiments", "rerun_studies.sh"), str(tmp_path / "runs")],
+                 check=True, env={**os.environ, "PYTHON": str(fake)})
+  calls = [line.split() for line in log.read_text().splitlines()]
+  modules = [call[1] for call in calls if call[0] == "-m"]
+  assert modules == ["experiments.presets_across_staleness.run"] * 4 + [
+      "experiments.joint_sweep.run", "experiments.warm_start_store", "experiments.search_stability.run",
+      "experiments.advantage_staleness.run"]
+  grid = {c.name for c in presets_run.cells(presets_run.RERUN["presets"], presets_run.RERUN["lags"])}
+  for call in calls:
+    if call[0] != "-m":
+      continue
+    source = open(os.path.join(ROOT, *call[1].split(".")) + ".py").read()
+    for flag in (arg for arg in call[2:] if arg.startswith("--")):
+      assert f'"{flag}"' in source, (call[1], flag)
+    if "--cells" in call:
+      cells = call[call.index("--cells") + 1:]
+      cells = cells[:next((i for i, c in enumerate(cells) if c.startswith("--")), len(cells))]
+      assert set(cells) <= grid, set(cells) - grid
