@@ -374,9 +374,9 @@ def resummarise(results: dict, root: str) -> dict:
     for seed, run in entry["runs"].items():
       workdir = os.path.join(root, name, f"seed{seed}")
       if os.path.exists(os.path.join(workdir, "summary.json")):
-        began_from = {} if run.get("warm_start") else {"warm_start": warm_start_of(workdir)}
-        entry["runs"][seed] = {**run, **summarise(workdir, results["target_accuracy"]),
-                               **{k: v for k, v in began_from.items() if v}}
+        run = entry["runs"][seed] = {**run, **summarise(workdir, results["target_accuracy"])}
+        if not run.get("warm_start") and (began_from := warm_start_of(workdir)):
+          run["warm_start"] = began_from
     entry["aggregate"] = aggregate(entry["runs"])
   return results
 
