@@ -20,7 +20,8 @@ def load(study):
 
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
                          + [("presets_across_staleness", "results_full"),
-                            ("presets_across_staleness", "results_rerun"), ("joint_sweep", "exact"),
+                            ("presets_across_staleness", "results_rerun"),
+                            ("advantage_staleness", "results_rerun"), ("joint_sweep", "exact"),
                             ("joint_sweep", "policy_side")])
 def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)
@@ -122,6 +123,13 @@ def test_advantage_staleness_sets_a_collapsed_learner_apart(tmp_path):
   module.render(results, here=str(tmp_path))
   text = (tmp_path / "README.md").read_text()
   assert "Seed 1: the learner collapsed" in text and "Seed 1, whose learner collapsed, on its own" in text
+  # The rerun on the new learner: its own markers and figure, the first rendering left as it was.
+  (tmp_path / "README.md").write_text("<!-- results:begin -->\nfirst\n<!-- results:end -->\n"
+                                      "<!-- results_rerun:begin -->\n<!-- results_rerun:end -->\n")
+  module.render(results, here=str(tmp_path), name="results_rerun")
+  text = (tmp_path / "README.md").read_text()
+  assert "first" in text and "Seed 1, whose learner collapsed" in text.split("results_rerun:begin")[1]
+  assert "](advantage_error_rerun.png)" in text and (tmp_path / "advantage_error_rerun.png").exists()
 
 
 def test_step_time_ratios_and_render(tmp_path):

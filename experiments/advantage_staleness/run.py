@@ -3,6 +3,10 @@
   python -m experiments.advantage_staleness.run              # seeds 0 1 2, lags 0 1 4 16 64, M = 8
   python -m experiments.advantage_staleness.run --seeds 3    # one more seed (finished seeds are kept)
   python -m experiments.advantage_staleness.run --render     # table and figure from results.json
+  python -m experiments.advantage_staleness.run --seeds 0 1 2 3 \
+      --out experiments/advantage_staleness/results_rerun.json
+      # the learner as the field runs it (the default config's minibatches, critic warm-up, centred
+      # whitening), from the shipped warm starts; rendered between the README's results_rerun markers
 
 1. Per seed, a lag-64 COPC run of the default task (`--updates` updates from the shared warm start of
    that seed) leaves the learner at version U and keeps the weights of versions U − 64 … U.
@@ -233,7 +237,12 @@ def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
   return out
 
 
-def render(results: dict, here: str = HERE) -> None:
+def render(results: dict, here: str = HERE, name: str = "results") -> None:
+  """Table and figure into README.md between the `name` markers (`results` or `results_rerun`, the
+  study on the learner as the field runs it); the figure is `advantage_error.png` or
+  `advantage_error_rerun.png`."""
+  suffix = "" if name == "results" else "_" + name.removeprefix("results_")
+  figure = f"advantage_error{suffix}.png"
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -241,21 +250,21 @@ def render(results: dict, here: str = HERE) -> None:
   names = list(results["lags"][lags[0]]["metrics"])
   fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
   styles = figures.line_styles(names, {n: ESTIMATOR_PRESET.get(n.split(" ")[0], n) for n in names})
-  for offset, name in enumerate(names):
+  for offset, estimator in enumerate(names):
     for ax, key in zip(axes, ("bias", "mse", "correlation"), strict=True):
-      stats = [results["lags"][k]["metrics"][name][key] for k in lags]
+      stats = [results["lags"][k]["metrics"][estimator][key] for k in lags]
       x = np.arange(len(lags)) + 0.08 * (offset - len(names) / 2)
       value = np.array([s["value"] for s in stats])
       low = value - np.array([s["ci95"][0] for s in stats])
       high = np.array([s["ci95"][1] for s in stats]) - value
-      ax.errorbar(x, value, yerr=[low, high], marker="o", capsize=3, label=name, **styles[name])
+      ax.errorbar(x, value, yerr=[low, high], marker="o", capsize=3, label=estimator, **styles[estimator])
       ax.set_xticks(np.arange(len(lags)), [f"k = {k}" for k in lags])
       ax.set_title({"bias": "bias E[Â − A^π]", "mse": "MSE E[(Â − A^π)²] (MC noise removed)",
                     "correlation": "correlation with A^π"}[key])
       ax.grid(alpha=0.3)
   figures.legend_outside(axes[2])
   fig.tight_layout()
-  fig.savefig(os.path.join(here, "advantage_error.png"), dpi=110)
+  fig.savefig(os.path.join(here, figure), dpi=110)
   plt.close(fig)
   r, seeds = results, sorted(results["seeds"], key=int)
   collapsed = r.get("collapsed_seeds", [])
@@ -273,11 +282,11 @@ def render(results: dict, here: str = HERE) -> None:
            f"CIs over episodes; last column: each pooled seed's own MSE. Commit {r['git_commit'][:10]}, "
            f"jax {r['jax_version']}.", "",
            *error_table(results["lags"], r, healthy, lags, names, per_seed=True),
-           "", "![advantage error against lag, pooled seeds](advantage_error.png)"]
+           "", f"![advantage error against lag, pooled seeds]({figure})"]
   for s in collapsed:
     lines += ["", f"Seed {s}, whose learner collapsed, on its own:", "",
               *error_table(r["seeds"][s]["lags"], r, [s], lags, names, per_seed=False)]
-  study.write_between_markers(os.path.join(here, "README.md"), "results", "\n".join(lines))
+  study.write_between_markers(os.path.join(here, "README.md"), name, "\n".join(lines))
 
 
 def error_table(rows: dict, results: dict, seeds: list[str], lags: list[str], names: list[str], *,
@@ -316,6 +325,8 @@ def main():
   args = parser.parse_args()
   if min(args.lags) < 0 or args.updates < max(args.lags):
     parser.error(f"--lags must be >= 0 and at most --updates ({args.updates}); got {args.lags}")
+  if args.render and not os.path.exists(args.out):
+    parser.error(f"--render: {args.out} does not exist; run the study first (without --render)")
   results = {}
   if os.path.exists(args.out):
     with open(args.out) as f:
@@ -327,8 +338,9 @@ def main():
   elif "collapsed_seeds" not in results:        # a JSON written before collapsed learners were set apart
     pool(results, args.resamples)
     study.write_json(args.out, results)
-  if os.path.abspath(args.out) == os.path.join(HERE, "results.json"):
-    render(results)
+  directory, file = os.path.split(os.path.abspath(args.out))
+  if directory == HERE and file in ("results.json", "results_rerun.json"):
+    render(results, name=file.removesuffix(".json"))
 
 
 if __name__ == "__main__":
