@@ -21,7 +21,8 @@ def load(study):
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
                          + [("presets_across_staleness", "results_full"),
                             ("presets_across_staleness", "results_rerun"),
-                            ("advantage_staleness", "results_rerun"), ("joint_sweep", "exact"),
+                            ("advantage_staleness", "results_rerun"), ("copc_default", "results_rerun"),
+                            ("joint_sweep", "exact"),
                             ("joint_sweep", "policy_side")])
 def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)
@@ -205,16 +206,41 @@ def test_copc_default_rule_counts_only_settings_run_in_every_cell():
   assert module.choose({"a": {"candidates": {}}})["pick"] is None
 
 
+def test_copc_default_rerun_counts_a_cell_once_every_seed_finished(tmp_path):
+  module = load("copc_default")
+  final = lambda mean, n: {"aggregate": {"final_eval_accuracy": {"mean": mean, "std": 0.1, "n": n}}}
+  results = {"seeds": [0, 1, 2, 3], "git_commit": "abc",
+             "cells": {"copc_k64": final(0.1, 4), "copc_anchor_behavior_k64": final(0.8, 3),
+                       "async_ppo_k64": final(0.85, 4), "copc_k16": final(0.7, 4)}}
+  (tmp_path / "a.json").write_text(json.dumps(results))
+  evidence = (("a, k = 64", "a", 64, "a.json"), ("a, k = 16", "a", 16, "a.json"),
+              ("b, k = 64", "b", 64, "b.json"))
+  cells = module.collect(evidence, str(tmp_path), module.RERUN_CANDIDATES, complete=True)
+  assert cells["a, k = 64"]["candidates"] == {"copc_spec": {"mean": 0.1, "std": 0.1, "n": 4}}   # 3 of 4 seeds
+  assert cells["a, k = 64"]["best_preset"]["cell"] == "async_ppo_k64"
+  assert cells["b, k = 64"] == {"task": "b", "lag": 64, "source": "b.json", "source_commit": None,
+                                "candidates": {}, "best_preset": None}                        # not run yet
+  assert module.choose(cells)["pick"] is None
+  partial = module.collect(evidence, str(tmp_path), module.RERUN_CANDIDATES)       # the first study's reading
+  assert "copc_anchor_behavior" in partial["a, k = 64"]["candidates"]
+  assert module.overrides_of("copc_anchor_behavior") == {"preset": "copc", "actor.anchor": "behavior"}
+
+
 def test_the_copc_preset_is_the_setting_the_evidence_picked():
-  """`copc` (the main job's default) is the committed pick of experiments/copc_default, whatever it is."""
-  path = os.path.join(ROOT, "experiments", "copc_default", "results.json")
-  if not os.path.exists(path):
-    pytest.skip("experiments/copc_default has no committed results.json yet")
+  """`copc` (the main job's default) is the committed pick of experiments/copc_default, whatever it is:
+  the rerun's once it picks one, the first study's until then."""
+  picks = {}
+  for name in ("results_rerun", "results"):
+    path = os.path.join(ROOT, "experiments", "copc_default", f"{name}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        picks[name] = json.load(f)["choice"]["pick"]
+  if not picks:
+    pytest.skip("experiments/copc_default has no committed results yet")
+  pick = picks.get("results_rerun") or picks.get("results")
+  assert pick, "the committed evidence picks no setting"
   module = load("copc_default")
   from experiments import study
-  with open(path) as f:
-    pick = json.load(f)["choice"]["pick"]
-  assert pick, "the committed evidence picks no setting"
   picked = study.load_config("configs/default.py", module.overrides_of(pick), seed=0)
   default = study.load_config("configs/default.py", {"preset": "copc"}, seed=0)
   assert (default.estimator, default.actor) == (picked.estimator, picked.actor)

@@ -2,6 +2,7 @@
 
   python -m experiments.copc_default.run            # reads the studies' JSON, writes results.json and README
   python -m experiments.copc_default.run --render   # README from the committed results.json
+  python -m experiments.copc_default.run --rerun    # the pick again, from the reruns on the new learner
 
 Nothing is rerun here. The evidence is every (task, staleness) cell in which the studies ran COPC:
 
@@ -15,6 +16,16 @@ settings in `study.CANDIDATES`; a candidate competes only if it was measured in 
 is the mean over cells of its seed-mean final held-out accuracy (each cell weighs the same, whatever
 its scale); the highest score is the default. Every cell also names the best preset of any kind, so
 the README can say where policy-side presets win.
+
+`--rerun` applies the same rule to the studies rerun on the learner as the field runs it (issue 27:
+minibatches, critic warm-up, centred whitening, 4 seeds, 300 updates, the shipped warm starts):
+
+  tool arithmetic, k = 16 and 64   presets_across_staleness/results_rerun.json
+  knowledge search, k = 16 and 64  search_stability/results_rerun.json
+
+with the candidates those reruns run: the spec's setting and COPC anchored on the behaviour policy
+(`copc_anchor_behavior`). A candidate's cell counts only once all the rerun's seeds have finished in
+it; until every candidate has every cell, the rerun picks nothing and the `copc` preset stays as it is.
 """
 
 from __future__ import annotations
@@ -37,21 +48,36 @@ EVIDENCE = (  # (cell label, task, lag, results file relative to experiments/)
     ("knowledge search, k = 16", "knowledge search", 16, "search_stability/results.json"),
     ("knowledge search, k = 64", "knowledge search", 64, "search_stability/results.json"),
 )
+EVIDENCE_RERUN = (
+    ("tool arithmetic, k = 16", "tool arithmetic", 16, "presets_across_staleness/results_rerun.json"),
+    ("tool arithmetic, k = 64", "tool arithmetic", 64, "presets_across_staleness/results_rerun.json"),
+    ("knowledge search, k = 16", "knowledge search", 16, "search_stability/results_rerun.json"),
+    ("knowledge search, k = 64", "knowledge search", 64, "search_stability/results_rerun.json"),
+)
+RERUN_CANDIDATES = (SPEC, "copc_anchor_behavior")
 
 
 def candidate_cell(candidate: str, lag: int) -> str:
   return f"copc_k{lag}" if candidate == SPEC else f"{candidate}_k{lag}"
 
 
-def collect(evidence=EVIDENCE, root: str = EXPERIMENTS) -> dict:
-  """Per evidence cell: each candidate's final accuracy over seeds and the best preset of any kind."""
-  candidates = [SPEC, *study.CANDIDATES]
+def collect(evidence=EVIDENCE, root: str = EXPERIMENTS, candidates=(SPEC, *study.CANDIDATES), *,
+            complete: bool = False) -> dict:
+  """Per evidence cell: each candidate's final accuracy over seeds and the best preset of any kind.
+  A results file not written yet leaves its cells empty; with `complete`, a cell counts only once every
+  seed of its study has finished in it."""
   cells = {}
   for label, task, lag, path in evidence:
+    if not os.path.exists(os.path.join(root, path)):
+      cells[label] = {"task": task, "lag": lag, "source": path, "source_commit": None, "candidates": {},
+                      "best_preset": None}
+      continue
     with open(os.path.join(root, path)) as f:
       results = json.load(f)
+    seeds = len(results["seeds"]) if complete else 1
     finals = {name: entry["aggregate"]["final_eval_accuracy"] for name, entry in results["cells"].items()
-              if name.endswith(f"_k{lag}") and entry["aggregate"]["final_eval_accuracy"]}
+              if name.endswith(f"_k{lag}") and entry["aggregate"]["final_eval_accuracy"]
+              and entry["aggregate"]["final_eval_accuracy"]["n"] >= seeds}
     best = max(finals, key=lambda name: finals[name]["mean"]) if finals else None
     cells[label] = {
         "task": task, "lag": lag, "source": path, "source_commit": results["git_commit"],
@@ -73,7 +99,7 @@ def choose(cells: dict) -> dict:
 
 def overrides_of(candidate: str) -> dict:
   """Config overrides that turn the spec's `copc` setting into `candidate`."""
-  return {"preset": SPEC} if candidate == SPEC else dict(study.CANDIDATES[candidate])
+  return {"preset": SPEC} if candidate == SPEC else dict(study.named_setting(candidate))
 
 
 def figure(results: dict, path: str) -> None:
@@ -102,7 +128,8 @@ def figure(results: dict, path: str) -> None:
   plt.close(fig)
 
 
-def render(results: dict, here: str = HERE) -> None:
+def render(results: dict, here: str = HERE, name: str = "results") -> None:
+  """Table and figure into README.md between the `name` markers (`results` or `results_rerun`)."""
   names = " | ".join(f"`{c}`" for c in results["candidates"])
   rows = [f"| evidence | {names} | best preset at this lag |",
           "|---|" + "---:|" * (len(results["candidates"]) + 1)]
@@ -117,33 +144,38 @@ def render(results: dict, here: str = HERE) -> None:
                            for c in results["candidates"]) + " | |")
   left_out = results["choice"]["not_measured_everywhere"]
   pick = results["choice"]["pick"]
+  chart = "settings.png" if name == "results" else f"settings_{name.removeprefix('results_')}.png"
   text = ("Final held-out accuracy, mean ± std over seeds, of each COPC setting in each cell the studies ran "
           f"it in; commit {results['git_commit'][:10]}.\n\n" + "\n".join(rows)
           + (f"\n\n**Pick: `{pick}`** (config overrides: `{json.dumps(overrides_of(pick))}`)." if pick
              else "\n\n**No pick yet**: no candidate was run in every cell.")
           + "".join(f" `{c}` was not run in: {', '.join(m)}." for c, m in left_out.items())
-          + "\n\n![each setting in each cell](settings.png)")
-  figure(results, os.path.join(here, "settings.png"))
-  study.write_between_markers(os.path.join(here, "README.md"), "results", text)
+          + f"\n\n![each setting in each cell]({chart})")
+  figure(results, os.path.join(here, chart))
+  study.write_between_markers(os.path.join(here, "README.md"), name, text)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--render", action="store_true")
-  parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
+  parser.add_argument("--rerun", action="store_true", help="the pick from the reruns on the new learner")
   args = parser.parse_args()
+  name = "results_rerun" if args.rerun else "results"
+  out = os.path.join(HERE, f"{name}.json")
   if args.render:
-    with open(args.out) as f:
-      render(json.load(f))
+    with open(out) as f:
+      render(json.load(f), name=name)
     return
-  cells = collect()
-  results = {"description": "the copc preset's default, chosen from the studies' committed results",
+  candidates = list(RERUN_CANDIDATES if args.rerun else (SPEC, *study.CANDIDATES))
+  cells = collect(EVIDENCE_RERUN if args.rerun else EVIDENCE, candidates=candidates, complete=args.rerun)
+  results = {"description": "the copc preset's default, chosen from the studies' committed results"
+                            + (" rerun on the new learner" if args.rerun else ""),
              "rule": "highest mean over evidence cells of the seed-mean final held-out accuracy, among the "
-                     "candidates measured in every cell",
-             "candidates": [SPEC, *study.CANDIDATES], "cells": cells, "choice": choose(cells),
+                     "candidates measured in every cell" + (" on every seed" if args.rerun else ""),
+             "candidates": candidates, "cells": cells, "choice": choose(cells),
              "git_commit": study.git_commit(), **study.provenance()}
-  study.write_json(args.out, results)
-  render(results)
+  study.write_json(out, results)
+  render(results, name=name)
   print(json.dumps(results["choice"], indent=1))
 
 
