@@ -632,6 +632,12 @@ def curves_figure(results: dict, path: str, groups: dict[str, list[str]]) -> Non
   plt.close(fig)
 
 
+def figure_file(stem: str, name: str) -> str:
+  """The figure a rendering named `name` draws: `stem.png` for `results`, `stem_rerun.png` for
+  `results_rerun`, `stem_<name>.png` for any other name."""
+  return f"{stem}.png" if name == "results" else f"{stem}_{name.removeprefix('results_')}.png"
+
+
 def write_between_markers(path: str, name: str, text: str) -> None:
   """Replace what lies between `<!-- name:begin -->` and `<!-- name:end -->` in `path`."""
   with open(path) as f:

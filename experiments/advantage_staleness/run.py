@@ -241,8 +241,7 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   """Table and figure into README.md between the `name` markers (`results` or `results_rerun`, the
   study on the learner as the field runs it); the figure is `advantage_error.png` or
   `advantage_error_rerun.png`."""
-  suffix = "" if name == "results" else "_" + name.removeprefix("results_")
-  figure = f"advantage_error{suffix}.png"
+  figure = study.figure_file("advantage_error", name)
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

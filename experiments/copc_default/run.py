@@ -54,6 +54,7 @@ EVIDENCE_RERUN = (
     ("knowledge search, k = 16", "knowledge search", 16, "search_stability/results_rerun.json"),
     ("knowledge search, k = 64", "knowledge search", 64, "search_stability/results_rerun.json"),
 )
+FIRST_CANDIDATES = (SPEC, *study.CANDIDATES)           # the first studies' named COPC settings
 RERUN_CANDIDATES = (SPEC, "copc_anchor_behavior")
 
 
@@ -61,7 +62,7 @@ def candidate_cell(candidate: str, lag: int) -> str:
   return f"copc_k{lag}" if candidate == SPEC else f"{candidate}_k{lag}"
 
 
-def collect(evidence=EVIDENCE, root: str = EXPERIMENTS, candidates=(SPEC, *study.CANDIDATES), *,
+def collect(evidence=EVIDENCE, root: str = EXPERIMENTS, candidates=FIRST_CANDIDATES, *,
             complete: bool = False) -> dict:
   """Per evidence cell: each candidate's final accuracy over seeds and the best preset of any kind.
   A results file not written yet leaves its cells empty; with `complete`, a cell counts only once every
@@ -144,7 +145,7 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
                            for c in results["candidates"]) + " | |")
   left_out = results["choice"]["not_measured_everywhere"]
   pick = results["choice"]["pick"]
-  chart = "settings.png" if name == "results" else f"settings_{name.removeprefix('results_')}.png"
+  chart = study.figure_file("settings", name)
   text = ("Final held-out accuracy, mean ± std over seeds, of each COPC setting in each cell the studies ran "
           f"it in; commit {results['git_commit'][:10]}.\n\n" + "\n".join(rows)
           + (f"\n\n**Pick: `{pick}`** (config overrides: `{json.dumps(overrides_of(pick))}`)." if pick
@@ -166,7 +167,7 @@ def main():
     with open(out) as f:
       render(json.load(f), name=name)
     return
-  candidates = list(RERUN_CANDIDATES if args.rerun else (SPEC, *study.CANDIDATES))
+  candidates = list(RERUN_CANDIDATES if args.rerun else FIRST_CANDIDATES)
   cells = collect(EVIDENCE_RERUN if args.rerun else EVIDENCE, candidates=candidates, complete=args.rerun)
   results = {"description": "the copc preset's default, chosen from the studies' committed results"
                             + (" rerun on the new learner" if args.rerun else ""),

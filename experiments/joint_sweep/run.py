@@ -251,9 +251,7 @@ def render_rl(results: dict, here: str = HERE, name: str = "results") -> None:
     ax.set_xlabel("GAE λ" if policy_side else "advantage clip ρ̄")
     ax.set_ylabel("weight cap w_max (decoupled PPO)" if policy_side else "mask half-width h")
   fig.tight_layout()
-  figure = ("rl_heatmaps.png" if name == "results"
-            else f"rl_heatmaps_{name.removeprefix('results_')}.png" if name.startswith("results_")
-            else f"rl_heatmaps_{name}.png")
+  figure = study.figure_file("rl_heatmaps", name)
   fig.savefig(os.path.join(here, figure), dpi=110)
   plt.close(fig)
   finished = mean[np.isfinite(mean)]

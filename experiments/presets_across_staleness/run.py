@@ -54,7 +54,7 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   lags = sorted({c["overrides"]["trainer.lag"] for c in cells if "trainer.lag" in c["overrides"]})
   groups = {f"k = {lag} (sync PPO: k = 0)": ["sync_ppo_k0"] + [
       cell for cell, c in results["cells"].items() if c["overrides"].get("trainer.lag") == lag] for lag in lags}
-  figure = "curves.png" if name == "results" else f"curves_{name.removeprefix('results_')}.png"
+  figure = study.figure_file("curves", name)
   study.curves_figure(results, os.path.join(here, figure), groups)
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
