@@ -313,9 +313,11 @@ def test_metrics_go_to_weights_and_biases_offline_and_a_resumed_run_keeps_its_id
       logger.write({"step": step, "reward_mean": 0.25 * step})
     logger.close()
   run_id = (tmp_path / "wandb_run_id").read_text()
-  runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
-  assert runs and not (tmp_path / "tb").exists()
-  logged = b"".join(p.read_bytes() for run in runs for p in run.glob("run-*.wandb"))
+  # One offline run directory per start, each holding run-ID.wandb (W&B suffixes "-1" to a directory
+  # whose start fell in the same second as the one before).
+  run_files = sorted((tmp_path / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"))
+  assert len(run_files) == 2 and not (tmp_path / "tb").exists()
+  logged = b"".join(p.read_bytes() for p in run_files)
   assert b"reward_mean" in logged and b"0.75" in logged                 # the resumed run's row
   assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
 
