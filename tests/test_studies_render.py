@@ -226,6 +226,26 @@ def test_copc_default_rerun_counts_a_cell_once_every_seed_finished(tmp_path):
   assert module.overrides_of("copc_anchor_behavior") == {"preset": "copc", "actor.anchor": "behavior"}
 
 
+def test_copc_default_table_gives_candidates_and_best_preset_the_same_spread(tmp_path):
+  """The header names one spread (the 95% half-width where the JSON has intervals, the std in older JSON),
+  and the best preset's column shows that spread too, not the std beside the candidates' intervals."""
+  module = load("copc_default")
+  stat = {"mean": 0.8, "std": 0.1, "ci95": 0.16, "n": 4}
+  cell = {"candidates": {"copc_spec": stat}, "best_preset": {"cell": "async_ppo_k64", **stat}}
+  results = {"candidates": ["copc_spec"], "cells": {"a, k = 64": cell}, "git_commit": "abc",
+             "choice": {"scores": {"copc_spec": 0.8}, "pick": "copc_spec", "not_measured_everywhere": {}}}
+  (tmp_path / "README.md").write_text("<!-- results:begin -->\n<!-- results:end -->\n")
+  module.render(results, here=str(tmp_path))
+  text = (tmp_path / "README.md").read_text()
+  assert "mean ± half-width of the 95% t interval" in text
+  assert "| 0.800 ± 0.160 | async_ppo_k64 0.800 ± 0.160 |" in text and "± 0.100" not in text
+  for s in (stat, cell["best_preset"]):
+    del s["ci95"]
+  module.render(results, here=str(tmp_path))
+  text = (tmp_path / "README.md").read_text()
+  assert "mean ± std over seeds" in text and "| 0.800 ± 0.100 | async_ppo_k64 0.800 ± 0.100 |" in text
+
+
 def test_the_copc_preset_is_the_setting_the_evidence_picked():
   """`copc` (the main job's default) is the committed pick of experiments/copc_default, whatever it is:
   the rerun's once it picks one, the first study's until then."""

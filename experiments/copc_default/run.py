@@ -137,7 +137,7 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   for label, cell in results["cells"].items():
     values = [study.fmt(cell["candidates"].get(c)) for c in results["candidates"]]
     best = cell["best_preset"]
-    best = f"{best['cell']} {best['mean']:.3f} ± {best['std']:.3f}" if best else "not run yet"
+    best = f"{best['cell']} {study.fmt(best)}" if best else "not run yet"
     rows.append(f"| {label} | " + " | ".join(values) + f" | {best} |")
   scores = results["choice"]["scores"]
   rows.append("| **score** (mean over cells) | "
@@ -146,7 +146,11 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   left_out = results["choice"]["not_measured_everywhere"]
   pick = results["choice"]["pick"]
   chart = study.figure_file("settings", name)
-  text = ("Final held-out accuracy, mean ± std over seeds, of each COPC setting in each cell the studies ran "
+  stats = [s for cell in results["cells"].values()
+           for s in [*cell["candidates"].values(), cell["best_preset"]] if s]
+  spread = ("half-width of the 95% t interval" if any("ci95" in s for s in stats)
+            else "std")                       # results written before intervals carry the std only
+  text = (f"Final held-out accuracy, mean ± {spread} over seeds, of each COPC setting in each cell the studies ran "
           f"it in; commit {results['git_commit'][:10]}.\n\n" + "\n".join(rows)
           + (f"\n\n**Pick: `{pick}`** (config overrides: `{json.dumps(overrides_of(pick))}`)." if pick
              else "\n\n**No pick yet**: no candidate was run in every cell.")
