@@ -150,8 +150,8 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
            for s in [*cell["candidates"].values(), cell["best_preset"]] if s]
   spread = ("half-width of the 95% t interval" if any("ci95" in s for s in stats)
             else "std")                       # results written before intervals carry the std only
-  text = (f"Final held-out accuracy, mean ± {spread} over seeds, of each COPC setting in each cell the studies ran "
-          f"it in; commit {results['git_commit'][:10]}.\n\n" + "\n".join(rows)
+  text = (f"Final held-out accuracy, mean ± {spread} over seeds, of each COPC setting in each cell the studies "
+          f"ran it in; commit {results['git_commit'][:10]}.\n\n" + "\n".join(rows)
           + (f"\n\n**Pick: `{pick}`** (config overrides: `{json.dumps(overrides_of(pick))}`)." if pick
              else "\n\n**No pick yet**: no candidate was run in every cell.")
           + "".join(f" `{c}` was not run in: {', '.join(m)}." for c, m in left_out.items())
