@@ -329,6 +329,42 @@ def _supersede(entry: dict, seed: int, workdir: str) -> None:
     os.rename(workdir, f"{workdir}.superseded")
 
 
+def copy_identical_runs(out: str, config: str, common: dict, cell: Cell, source: str, source_cell: str,
+                        *, seeds) -> list[int]:
+  """Copy into the study JSON `out` the runs of `seeds` that another study (`source`, a results JSON of
+  the same `config`) measured in `source_cell`, where the two cells resolve to the *same* typed config
+  for that seed (each copied run says where it came from: `copied_from`); `run` then reads them instead
+  of running them again. A seed whose configs differ, or that `cell` already holds, is left alone.
+  Returns the seeds copied."""
+  if not os.path.exists(source):
+    return []
+  with open(source) as f:
+    theirs = json.load(f)
+  if theirs["config"] != config or source_cell not in theirs["cells"]:
+    return []
+  results = {"cells": {}}
+  if os.path.exists(out):
+    with open(out) as f:
+      results = json.load(f)
+  entry = results["cells"].setdefault(cell.name, {"overrides": {**common, **cell.overrides}, "runs": {}})
+  copied = []
+  for seed in seeds:
+    run = theirs["cells"][source_cell]["runs"].get(str(seed))
+    if run is None or str(seed) in entry["runs"]:
+      continue
+    if load_config(config, entry["overrides"], seed) != load_config(
+        config, theirs["cells"][source_cell]["overrides"], seed):
+      print(f"{cell.name} seed {seed}: {source_cell} of {os.path.relpath(source, ROOT)} resolves to another "
+            "config; not copied", flush=True)
+      continue
+    entry["runs"][str(seed)] = {**run, "copied_from": f"{os.path.relpath(source, ROOT)}: {source_cell}"}
+    copied.append(seed)
+  if copied:
+    entry["aggregate"] = aggregate(entry["runs"])
+    write_json(out, results)
+  return copied
+
+
 def _run(cells, seeds, config, root, out, common, target, description, servers, replace_other) -> dict:
   results = {"description": description, "config": config, "common_overrides": common, "seeds": seeds,
              "target_accuracy": target, "git_commit": git_commit(), "jax_version": jax.__version__,

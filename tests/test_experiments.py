@@ -188,6 +188,7 @@ def test_the_default_run_on_both_backends_is_read_from_the_two_jsons():
 def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
   """experiments/rerun_studies.sh, run with a Python that only records its arguments: every study it
   calls defines the flags it passes, and every cell it names is in that study's rerun grid."""
+  from experiments.joint_sweep import run as joint_sweep_run
   from experiments.presets_across_staleness import run as presets_run
   log = tmp_path / "calls.txt"
   fake = tmp_path / "python"
@@ -197,10 +198,15 @@ def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
                  check=True, env={**os.environ, "PYTHON": str(fake)})
   calls = [line.split() for line in log.read_text().splitlines()]
   modules = [call[1] for call in calls if call[0] == "-m"]
-  assert modules == ["experiments.presets_across_staleness.run"] * 4 + [
-      "experiments.joint_sweep.run", "experiments.warm_start_store", "experiments.search_stability.run",
+  joint_sweep = {c.name for c in joint_sweep_run.rerun_cells(joint_sweep_run.RERUN["values"],
+                                                             joint_sweep_run.RERUN["lags"])}
+  assert modules == ["experiments.presets_across_staleness.run"] * 4 + ["experiments.joint_sweep.run"] * (
+      len(joint_sweep) - 2) + ["experiments.warm_start_store", "experiments.search_stability.run",
       "experiments.advantage_staleness.run"]
-  grid = {c.name for c in presets_run.cells(presets_run.RERUN["presets"], presets_run.RERUN["lags"])}
+  grids = {"experiments.presets_across_staleness.run": {
+      c.name for c in presets_run.cells(presets_run.RERUN["presets"], presets_run.RERUN["lags"])},
+      "experiments.joint_sweep.run": joint_sweep}
+  named = set()
   for call in calls:
     if call[0] != "-m":
       continue
@@ -210,4 +216,8 @@ def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
     if "--cells" in call:
       cells = call[call.index("--cells") + 1:]
       cells = cells[:next((i for i, c in enumerate(cells) if c.startswith("--")), len(cells))]
-      assert set(cells) <= grid, set(cells) - grid
+      assert set(cells) <= grids[call[1]], set(cells) - grids[call[1]]
+      named |= {(call[1], c) for c in cells}
+  # Every joint-sweep cell but the spec's (copied from the presets study) is named once.
+  assert {c for m, c in named if m == "experiments.joint_sweep.run"} == {
+      c for c in joint_sweep if not c.startswith("h2_rho2_")}

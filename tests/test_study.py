@@ -90,3 +90,31 @@ def test_collapse_is_a_drop_that_does_not_recover():
   assert study.collapse_step([(0, 0.4), (20, 0.9), (40, 0.6), (60, 0.8)]) is None      # recovered
   assert study.collapse_step([(0, 0.4), (20, 0.9), (40, 0.75)]) is None                # within 0.2
   assert study.collapse_step([(0, 0.9), (20, 0.5), (40, 0.95), (60, 0.1)]) == 60       # the running max
+
+
+def test_runs_of_an_identical_cell_are_copied_with_their_source_and_others_are_not(tmp_path):
+  """The joint sweep's spec cell is the presets study's `copc` cell: same typed config, so its runs are
+  read from there (marked), not run again; a cell whose config differs copies nothing."""
+  common = {"trainer.steps": 300, "trainer.mode": "lag", "trainer.lag": 64}
+  source = tmp_path / "presets.json"
+  run = {"final_eval_accuracy": 0.5, "auc": 0.4, "peak_to_final_drop": 0.1, "updates_to_target": None,
+         "mask_fraction_mean": 0.1, "ess_mean": 0.9, "staleness_mean": 64.0, "reward_last_10": 0.5,
+         "warm_start": "abc"}
+  runs = {"0": run, "1": {**run, "final_eval_accuracy": 0.3}}
+  source.write_text(json.dumps({"config": "configs/default.py", "cells": {"copc_k64": {
+      "overrides": {**common, "preset": "copc"}, "runs": runs}}}))
+  out = str(tmp_path / "sweep.json")
+  spec = study.Cell("h2_rho2_k64", {"preset": "copc", "actor.mask_range": (0.5, 2.0),
+                                    "estimator.rho_clip": (0.5, 2.0), "estimator.trace_clip": (0.5, 1.0)})
+  assert study.copy_identical_runs(out, "configs/default.py", common, spec, str(source), "copc_k64",
+                                   seeds=[0, 1, 2]) == [0, 1]
+  entry = json.load(open(out))["cells"]["h2_rho2_k64"]
+  assert entry["runs"]["1"]["final_eval_accuracy"] == 0.3
+  assert entry["runs"]["0"]["copied_from"] == f"{os.path.relpath(source, ROOT)}: copc_k64"
+  assert entry["aggregate"]["final_eval_accuracy"]["mean"] == pytest.approx(0.4)
+  assert study.copy_identical_runs(out, "configs/default.py", common, spec, str(source), "copc_k64",
+                                   seeds=[0, 1]) == []                      # already held: left alone
+  tighter = study.Cell("h1.5_rho2_k64", {**spec.overrides, "actor.mask_range": (1 / 1.5, 1.5)})
+  assert study.copy_identical_runs(out, "configs/default.py", common, tighter, str(source), "copc_k64",
+                                   seeds=[0, 1]) == []
+  assert "h1.5_rho2_k64" not in json.load(open(out))["cells"]

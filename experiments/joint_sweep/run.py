@@ -13,7 +13,9 @@ RL results go to `results.json` (COPC grid) or `policy_side.json`, with `_full` 
 `--rerun` (into `results_rerun.json`) is the RL grid on the learner as the field runs it (the task
 config's defaults: several minibatches per batch, critic warm-up, centred whitening) at k = 64 and 16
 in one grid under one `--root`, so both lags start from the *same* warm start per seed (pass the
-presets rerun's `--root` to share its warm starts too): 4 seeds, 300 updates per run; per lag, the
+presets rerun's `--root` to share its warm starts too): 4 seeds, 300 updates per run; the spec's cell
+(h = 2, ρ̄ = 2) resolves to the presets study's `copc` cell, so its runs are copied from that study's
+`results_rerun.json` (each marked `copied_from`) instead of run again. Per lag, the
 mean final accuracy per cell, paired differences against the spec's setting (h = 2, ρ̄ = 2) and the
 grid's best cell, and Fisher tests of the collapse counts.
 
@@ -140,6 +142,7 @@ def rl_cells(values) -> list[study.Cell]:
 
 
 RERUN = dict(values=DEFAULT_VALUES, lags=(64, 16), seeds=(0, 1, 2, 3), steps=300)
+PRESETS_RERUN = os.path.join(os.path.dirname(HERE), "presets_across_staleness", "results_rerun.json")
 
 
 def rerun_cells(values, lags) -> list[study.Cell]:
@@ -297,15 +300,20 @@ def main():
     return
   if args.rerun:
     grid = rerun_cells(RERUN["values"], RERUN["lags"])
+    common = {"trainer.steps": RERUN["steps"], "trainer.eval_every": 20, "trainer.checkpoint_every": 20}
+    out = os.path.join(HERE, "results_rerun.json")
     if args.cells:
       unknown = set(args.cells) - {c.name for c in grid}
       if unknown:
         parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid]}")
+    for cell in grid:          # the spec's cell is the presets study's `copc` cell: read, not run again
+      if cell.name.startswith("h2_rho2_k"):
+        study.copy_identical_runs(out, "configs/default.py", common, cell, PRESETS_RERUN,
+                                  f"copc_k{cell.overrides['trainer.lag']}", seeds=RERUN["seeds"])
+    if args.cells:
       grid = [c for c in grid if c.name in args.cells]
-    results = study.run(grid, list(RERUN["seeds"]), config="configs/default.py", root=args.root,
-                        out=os.path.join(HERE, "results_rerun.json"),
-                        common={"trainer.steps": RERUN["steps"], "trainer.eval_every": 20,
-                                "trainer.checkpoint_every": 20},
+    results = study.run(grid, list(RERUN["seeds"]), config="configs/default.py", root=args.root, out=out,
+                        common=common,
                         description="joint sweep of mask half-width × advantage clip, COPC, new learner, "
                                     "k = 64 and 16 from shared warm starts",
                         replace_other_warm_starts=args.replace_other_warm_starts)
