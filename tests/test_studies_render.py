@@ -78,7 +78,8 @@ def test_joint_sweep_broad_region_and_cells(tmp_path):
   (tmp_path / "README.md").write_text("<!-- results_rerun:begin -->\n<!-- results_rerun:end -->\n")
   module.render(results, here=str(tmp_path), name="results_rerun")
   text = (tmp_path / "README.md").read_text()
-  assert "**k = 64** (the spec's setting: h2_rho2_k64; best cell: h∞_rho∞_k64)" in text
+  assert "**k = 64** (the spec's setting: h2_rho2_k64; best other cell: h∞_rho∞_k64)" in text
+  assert "Grid so far: 8 of 18 cells run" in text          # of the rerun's grid, not of the cells given
   assert "**k = 16**" in text and (tmp_path / "rl_heatmaps_rerun.png").exists()
 
 

@@ -172,18 +172,24 @@ def render_rerun(results: dict, here: str = HERE) -> None:
     heatmap(ax, mean.tolist(), rows, columns, f"k = {lag}: final held-out accuracy (mean)", fmt="{:.3f}")
     ax.set_xlabel("advantage clip ρ̄")
     ax.set_ylabel("mask half-width h")
-    spec, best = f"h2_rho2_k{lag}", study.best_baseline(results, names)
-    tables.append(f"**k = {lag}** (the spec's setting: {spec}; best cell: {best or 'none run yet'})\n\n"
+    spec = f"h2_rho2_k{lag}"
+    best = study.best_baseline(results, [n for n in names if n != spec])
+    tables.append(f"**k = {lag}** (the spec's setting: {spec}; best other cell: {best or 'none run yet'})\n\n"
                   + study.comparison_table(results, names, spec, best))
   fig.tight_layout()
   fig.savefig(os.path.join(here, "rl_heatmaps_rerun.png"), dpi=110)
   plt.close(fig)
   seeds = sorted({int(s) for c in cells.values() for s in c["runs"]})
   ran = sum(bool(c["runs"]) for c in cells.values())
-  text = (f"Grid so far: {ran} of {len(cells)} cells run, seeds {seeds}, "
+  copied = sorted({f"{n} (from {r['copied_from']})" for n, c in cells.items() for r in c["runs"].values()
+                   if r.get("copied_from")})
+  grid_size = len(RERUN["values"]) ** 2 * len(RERUN["lags"])
+  text = (f"Grid so far: {ran} of {grid_size} cells run, seeds {seeds}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. Mean ± "
-          "half-width of the 95% t interval over seeds; paired differences per seed.\n\n" + "\n\n".join(tables)
+          "half-width of the 95% t interval over seeds; paired differences per seed."
+          + (f" Runs read from another study (the same typed config and warm start): {'; '.join(copied)}."
+             if copied else "") + "\n\n" + "\n\n".join(tables)
           + "\n\n![RL heatmaps, rerun](rl_heatmaps_rerun.png)")
   study.write_between_markers(os.path.join(here, "README.md"), "results_rerun", text)
 
