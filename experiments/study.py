@@ -448,10 +448,22 @@ def beside(script: str, suffix: str = ".json") -> str:
   return os.path.splitext(os.path.abspath(script))[0] + suffix
 
 
+def json_text(value, level: int = 0) -> str:
+  """JSON indented one space per level, except that a list holding no object (a run's series, an
+  evaluation curve) stays on one line: a study's file reads as its structure, not as one number a line."""
+  pad, end = " " * (level + 1), "\n" + " " * level
+  if isinstance(value, dict) and value:
+    items = [f"{pad}{json.dumps(str(k))}: {json_text(v, level + 1)}" for k, v in value.items()]
+    return "{\n" + ",\n".join(items) + end + "}"
+  if isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value):
+    return "[\n" + ",\n".join(pad + json_text(v, level + 1) for v in value) + end + "]"
+  return json.dumps(value)
+
+
 def write_json(path: str, value) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path + ".tmp", "w") as f:
-    json.dump(value, f, indent=1)
+    f.write(json_text(value) + "\n")
   os.replace(path + ".tmp", path)
 
 

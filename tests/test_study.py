@@ -118,3 +118,16 @@ def test_runs_of_an_identical_cell_are_copied_with_their_source_and_others_are_n
   assert study.copy_identical_runs(out, "configs/default.py", common, tighter, str(source), "copc_k64",
                                    seeds=[0, 1]) == []
   assert "h1.5_rho2_k64" not in json.load(open(out))["cells"]
+
+
+def test_a_study_file_keeps_each_series_on_one_line_and_reads_back_equal(tmp_path):
+  value = {"seeds": [0, 1], "cells": {"copc_k64": {"runs": {"0": {
+      "series": {"reward_mean": [0.5, 0.25, float("nan")]}, "eval_curve": [[0, 0.5], [20, 0.75]]}}}},
+      "rows": [{"a": 1}, {"b": [1, 2]}], "empty": {}, "none": None}
+  path = str(tmp_path / "results.json")
+  study.write_json(path, value)
+  text = open(path).read()
+  assert '"reward_mean": [0.5, 0.25, NaN]' in text and '"eval_curve": [[0, 0.5], [20, 0.75]]' in text
+  assert '\n  {\n   "a": 1\n  }' in text                    # a list of objects is indented like an object
+  back = json.loads(text)
+  assert json.dumps(back, sort_keys=True) == json.dumps(value, sort_keys=True)

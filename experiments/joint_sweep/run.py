@@ -183,7 +183,7 @@ def render_rerun(results: dict, here: str = HERE) -> None:
   ran = sum(bool(c["runs"]) for c in cells.values())
   copied = sorted({f"{n} (from {r['copied_from']})" for n, c in cells.items() for r in c["runs"].values()
                    if r.get("copied_from")})
-  grid_size = len(RERUN["values"]) ** 2 * len(RERUN["lags"])
+  grid_size = len(rerun_cells(RERUN["values"], RERUN["lags"]))
   text = (f"Grid so far: {ran} of {grid_size} cells run, seeds {seeds}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
           f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. Mean ± "
@@ -308,16 +308,14 @@ def main():
     grid = rerun_cells(RERUN["values"], RERUN["lags"])
     common = {"trainer.steps": RERUN["steps"], "trainer.eval_every": 20, "trainer.checkpoint_every": 20}
     out = os.path.join(HERE, "results_rerun.json")
-    if args.cells:
-      unknown = set(args.cells) - {c.name for c in grid}
-      if unknown:
-        parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid]}")
+    unknown = set(args.cells or ()) - {c.name for c in grid}
+    if unknown:
+      parser.error(f"--cells: {sorted(unknown)} not in the grid; allowed: {[c.name for c in grid]}")
     for cell in grid:          # the spec's cell is the presets study's `copc` cell: read, not run again
       if cell.name.startswith("h2_rho2_k"):
         study.copy_identical_runs(out, "configs/default.py", common, cell, PRESETS_RERUN,
                                   f"copc_k{cell.overrides['trainer.lag']}", seeds=RERUN["seeds"])
-    if args.cells:
-      grid = [c for c in grid if c.name in args.cells]
+    grid = [c for c in grid if not args.cells or c.name in args.cells]
     results = study.run(grid, list(RERUN["seeds"]), config="configs/default.py", root=args.root, out=out,
                         common=common,
                         description="joint sweep of mask half-width × advantage clip, COPC, new learner, "
