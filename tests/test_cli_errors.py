@@ -142,3 +142,12 @@ def test_a_config_file_loads_from_any_working_directory(tmp_path):
                         env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
   assert done.returncode == 0, done.stderr[-2000:]
   assert json.loads(done.stdout)["preset"] == "tis"
+
+
+def test_the_command_line_does_not_import_tensorboardx_before_a_run_logs_to_it():
+  """tensorboardX imports PyTorch where it is installed: a refused command line or a dry run must not
+  pay for it; the run that logs to TensorBoard imports it (test_trainer checks its event file)."""
+  code = "import sys, copc_jax.main; print(sorted({'tensorboardX', 'torch'} & set(sys.modules)))"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.stdout.strip() == "[]", out.stdout

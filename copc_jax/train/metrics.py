@@ -29,7 +29,6 @@ import sys
 import numpy as np
 import tqdm
 from etils import epath
-from tensorboardX import SummaryWriter
 
 from copc_jax.train import multihost
 from copc_jax.train import workdir as workdir_lib
@@ -130,6 +129,14 @@ class WandbWriter:
     self._run.finish()
 
 
+def _tensorboard_writer(path: str):
+  """tensorboardX's writer, imported only by a run that logs to TensorBoard: importing tensorboardX
+  imports PyTorch wherever PyTorch is installed (seconds), which a dry run or a refused command line
+  should not pay."""
+  from tensorboardX import SummaryWriter
+  return SummaryWriter(path)
+
+
 class MetricsLogger:
   def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, progress: bool = True,
                trackers: tuple[str, ...] = ("tensorboard",), wandb_project: str = "copc_jax",
@@ -143,7 +150,7 @@ class MetricsLogger:
       f.writelines(json.dumps(row) + "\n" for row in kept)
     os.replace(self.path + ".tmp", self.path)
     self._file = open(self.path, "a")
-    self._tensorboard = (SummaryWriter(os.path.join(self.staging, "tb")) if "tensorboard" in trackers
+    self._tensorboard = (_tensorboard_writer(os.path.join(self.staging, "tb")) if "tensorboard" in trackers
                          else None)
     self._wandb = WandbWriter(workdir, wandb_project, run_config) if "wandb" in trackers else None
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
