@@ -26,23 +26,31 @@ presets --cells copc_k64 copc_anchor_behavior_k64
 presets --cells decoupled_ppo_k64 vtrace_k64 grpo_k64 tis_k64 icepop_k64 dr_grpo_k64 rloo_k64
 # 2. Tool arithmetic at k = 16 (the whole grid: what ran above is read, not run).
 presets
-# 3. The joint sweep, k = 64 and 16, from the same warm starts: a cell's four seeds at a time (k = 64
-#    first), so each cell that lands can be read; the spec's cell (h2_rho2) is copied from step 1.
-for lag in 64 16; do
+# 3. The joint sweep at k = 64 from the same warm starts: a cell's four seeds at a time, so each cell
+#    that lands can be read; the spec's cell (h2_rho2) is copied from step 1.
+joint_sweep() {
   for cell in h1.5_rho1.5 h1.5_rho2 h1.5_rho∞ h2_rho1.5 h2_rho∞ h∞_rho1.5 h∞_rho2 h∞_rho∞; do
     "$python" -m experiments.joint_sweep.run --rerun --replace-other-warm-starts --root "$root/joint_sweep" \
-      --cells "${cell}_k$lag"
+      --cells "${cell}_k$1"
   done
-done
-# 4. Knowledge search: its warm starts recorded once (ship them: commit experiments/warm_starts), then
-#    the stability study at k = 64 and 16.
+}
+joint_sweep 64
+# 4. Knowledge search (the second task) at k = 64: its warm starts recorded once (ship them: commit
+#    experiments/warm_starts), then sync PPO and every preset at k = 64.
 "$python" - <<'EOF' || "$python" -m experiments.warm_start_store --config configs/search.py --seeds 0 1 2 3
 import sys
 from experiments import warm_start_store
 sys.exit(0 if "search" in warm_start_store.manifest() else 1)
 EOF
-"$python" -m experiments.search_stability.run --rerun --replace-other-warm-starts \
-  --root "$root/search_stability"
+search() {
+  "$python" -m experiments.search_stability.run --rerun --replace-other-warm-starts \
+    --root "$root/search_stability" "$@"
+}
+search --cells sync_ppo_k0 async_ppo_k64 copc_k64 copc_anchor_behavior_k64 decoupled_ppo_k64 vtrace_k64 \
+  tis_k64 icepop_k64 grpo_k64 dr_grpo_k64 rloo_k64
 # 5. Advantage staleness of a lag-64 COPC learner of the new defaults, 4 seeds.
 "$python" -m experiments.advantage_staleness.run --seeds 0 1 2 3 \
   --out experiments/advantage_staleness/results_rerun.json --root "$root/advantage_staleness"
+# 6. The k = 16 halves: the joint sweep, then search (the whole grid: what ran above is read, not run).
+joint_sweep 16
+search

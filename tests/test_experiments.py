@@ -190,6 +190,7 @@ def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
   calls defines the flags it passes, and every cell it names is in that study's rerun grid."""
   from experiments.joint_sweep import run as joint_sweep_run
   from experiments.presets_across_staleness import run as presets_run
+  from experiments.search_stability import run as search_run
   log = tmp_path / "calls.txt"
   fake = tmp_path / "python"
   fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {log}\n[ \"$1\" = - ] && exit 1\nexit 0\n")
@@ -200,12 +201,14 @@ def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
   modules = [call[1] for call in calls if call[0] == "-m"]
   joint_sweep = {c.name for c in joint_sweep_run.rerun_cells(joint_sweep_run.RERUN["values"],
                                                              joint_sweep_run.RERUN["lags"])}
-  assert modules == ["experiments.presets_across_staleness.run"] * 4 + ["experiments.joint_sweep.run"] * (
-      len(joint_sweep) - 2) + ["experiments.warm_start_store", "experiments.search_stability.run",
-      "experiments.advantage_staleness.run"]
+  half = ["experiments.joint_sweep.run"] * (len(joint_sweep) // 2 - 1)      # a lag's cells but the spec's
+  assert modules == (["experiments.presets_across_staleness.run"] * 4 + half
+                     + ["experiments.warm_start_store", "experiments.search_stability.run",
+                        "experiments.advantage_staleness.run"] + half + ["experiments.search_stability.run"])
+  search = {c.name for c in search_run.cells(search_run.RERUN["presets"], search_run.RERUN["lags"])}
   grids = {"experiments.presets_across_staleness.run": {
       c.name for c in presets_run.cells(presets_run.RERUN["presets"], presets_run.RERUN["lags"])},
-      "experiments.joint_sweep.run": joint_sweep}
+      "experiments.joint_sweep.run": joint_sweep, "experiments.search_stability.run": search}
   named = set()
   for call in calls:
     if call[0] != "-m":
@@ -218,6 +221,9 @@ def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
       cells = cells[:next((i for i, c in enumerate(cells) if c.startswith("--")), len(cells))]
       assert set(cells) <= grids[call[1]], set(cells) - grids[call[1]]
       named |= {(call[1], c) for c in cells}
+  # Search runs sync PPO and every preset at k = 64 before the k = 16 halves.
+  assert {c for m, c in named if m == "experiments.search_stability.run"} == {
+      c for c in search if c.endswith("_k64") or c == "sync_ppo_k0"}
   # Every joint-sweep cell but the spec's (copied from the presets study) is named once.
   assert {c for m, c in named if m == "experiments.joint_sweep.run"} == {
       c for c in joint_sweep if not c.startswith("h2_rho2_")}
