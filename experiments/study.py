@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -61,11 +62,26 @@ class Cell:
   overrides: dict          # {"preset": "copc", "trainer.lag": 16, ...}: config fields (dotted) → values
 
 
+CODE_PATHS = ("*.py", "pyproject.toml", "requirements*.txt", "setup.sh")   # what a run's numbers depend on
+
+
 def git_commit() -> str:
+  """HEAD, with "+uncommitted" where code differs from it (results, READMEs and figures a study writes
+  as it goes do not count)."""
   out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-  dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                         capture_output=True, text=True).stdout.strip()
+  dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                         cwd=ROOT, capture_output=True, text=True).stdout.strip()
   return out + ("+uncommitted" if dirty else "")
+
+
+def run_commits(results: dict) -> str:
+  """The commits a grid's runs ran at (each run records its own; a grid filled over several sessions
+  has several), most runs first: "commit c" or "commits c1 (n1 runs), c2 (n2 runs)"."""
+  counts = collections.Counter(run["git_commit"][:10] for entry in results["cells"].values()
+                               for run in entry["runs"].values() if run.get("git_commit"))
+  if len(counts) <= 1:
+    return f"commit {next(iter(counts), results['git_commit'][:10])}"
+  return "commits " + ", ".join(f"{commit} ({n} run{'s' * (n > 1)})" for commit, n in counts.most_common())
 
 
 def _config_path_and_arg(config: str, overrides: dict) -> str:
@@ -605,8 +621,8 @@ def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
   curves_figure(results, os.path.join(os.path.dirname(readme), figure), groups)
   seeds = sorted({int(s) for c in results["cells"].values() for s in c["runs"]})
   text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "
-          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
-          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. "
+          f"{results['common_overrides'].get('trainer.steps')} updates per run; "
+          f"{run_commits(results)}, jax {results['jax_version']}, {results['machine']}. "
           "Mean ± half-width of the 95% t interval over seeds; paired differences per seed, over the seeds "
           "both cells ran from one warm start." + warm_start_note(results) + "\n\n"
           + "\n\n".join(tables) + f"\n\n![held-out accuracy curves]({figure})")

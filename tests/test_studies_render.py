@@ -23,7 +23,9 @@ def load(study):
                             ("presets_across_staleness", "results_rerun"),
                             ("advantage_staleness", "results_rerun"), ("copc_default", "results_rerun"),
                             ("joint_sweep", "exact"),
-                            ("joint_sweep", "policy_side")])
+                            ("joint_sweep", "policy_side"),
+                            ("collapse_diagnosis", "results_search"),
+                            ("collapse_diagnosis", "results_tool_arithmetic")])
 def test_the_readme_tables_are_rendered_from_the_json(study, name, tmp_path):
   directory = os.path.join(ROOT, "experiments", study)
   if not os.path.exists(os.path.join(directory, f"{name}.json")):

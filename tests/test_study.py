@@ -131,3 +131,33 @@ def test_a_study_file_keeps_each_series_on_one_line_and_reads_back_equal(tmp_pat
   assert '\n  {\n   "a": 1\n  }' in text                    # a list of objects is indented like an object
   back = json.loads(text)
   assert json.dumps(back, sort_keys=True) == json.dumps(value, sort_keys=True)
+
+
+def test_a_grid_names_the_commits_its_runs_ran_at():
+  """A grid filled over several sessions: the header names every run's commit, not the last invocation's."""
+  runs = lambda *commits: {str(i): {"git_commit": c} for i, c in enumerate(commits)}
+  results = {"git_commit": "f" * 40, "cells": {"a": {"runs": runs("a" * 40, "b" * 40)},
+                                               "b": {"runs": runs("b" * 40 + "+uncommitted")}}}
+  assert study.run_commits(results) == f"commits {'b' * 10} (2 runs), {'a' * 10} (1 run)"
+  one = {"git_commit": "c" * 40, "cells": {"a": {"runs": runs("a" * 40)}}}
+  assert study.run_commits(one) == f"commit {'a' * 10}"
+  unrecorded = {"git_commit": "c" * 40, "cells": {"a": {"runs": {"0": {}}}}}      # runs from before commits
+  assert study.run_commits(unrecorded) == f"commit {'c' * 10}"
+
+
+def test_only_code_changes_mark_a_commit_uncommitted(tmp_path, monkeypatch):
+  """Results, READMEs and figures a running study writes into its checkout are not code: runs recorded
+  after them keep the plain commit; an edited module marks it."""
+  import subprocess
+  git = lambda *args: subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+  git("init", "-q")
+  (tmp_path / "run.py").write_text("x = 1\n")
+  (tmp_path / "README.md").write_text("old\n")
+  git("add", ".")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "start")
+  monkeypatch.setattr(study, "ROOT", str(tmp_path))
+  head = study.git_commit()
+  (tmp_path / "README.md").write_text("rendered\n")
+  assert study.git_commit() == head and "+" not in head
+  (tmp_path / "run.py").write_text("x = 2\n")
+  assert study.git_commit() == head + "+uncommitted"

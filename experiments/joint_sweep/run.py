@@ -185,8 +185,8 @@ def render_rerun(results: dict, here: str = HERE) -> None:
                    if r.get("copied_from")})
   grid_size = len(rerun_cells(RERUN["values"], RERUN["lags"]))
   text = (f"Grid so far: {ran} of {grid_size} cells run, seeds {seeds}, "
-          f"{results['common_overrides'].get('trainer.steps')} updates per run; commit "
-          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}. Mean ± "
+          f"{results['common_overrides'].get('trainer.steps')} updates per run; "
+          f"{study.run_commits(results)}, jax {results['jax_version']}, {results['machine']}. Mean ± "
           "half-width of the 95% t interval over seeds; paired differences per seed."
           + (f" Runs read from another study (the same typed config and warm start): {'; '.join(copied)}."
              if copied else "") + "\n\n" + "\n\n".join(tables)
@@ -268,8 +268,8 @@ def render_rl(results: dict, here: str = HERE, name: str = "results") -> None:
   region = f"cells within {RL_MARGIN} of the best: {near:.0%}" if finished.size else "no finished cells yet"
   common = results["common_overrides"]
   text = (f"Grid: {len(cells)} cells, seeds {results['seeds']}, {common.get('trainer.steps')} "
-          f"updates per run at lag {common.get('trainer.lag')}; commit "
-          f"{results['git_commit'][:10]}, jax {results['jax_version']}, {results['machine']}; {region}.\n\n"
+          f"updates per run at lag {common.get('trainer.lag')}; "
+          f"{study.run_commits(results)}, jax {results['jax_version']}, {results['machine']}; {region}.\n\n"
           + study.table(results) + f"\n\n![RL heatmaps]({figure})")
   study.write_between_markers(os.path.join(here, "README.md"), name, text)
 
