@@ -46,8 +46,12 @@ search() {
   "$python" -m experiments.search_stability.run --rerun --replace-other-warm-starts \
     --root "$root/search_stability" "$@"
 }
-search --cells sync_ppo_k0 async_ppo_k64 copc_k64 copc_anchor_behavior_k64 decoupled_ppo_k64 vtrace_k64 \
-  tis_k64 icepop_k64 grpo_k64 dr_grpo_k64 rloo_k64
+#    A cell's four seeds at a time (a run takes 10-20 minutes here), so each cell that lands can be read:
+#    the reference, the two COPC readings, then the baselines.
+for cell in sync_ppo_k0 copc_k64 copc_anchor_behavior_k64 async_ppo_k64 decoupled_ppo_k64 vtrace_k64 \
+    tis_k64 icepop_k64 grpo_k64 dr_grpo_k64 rloo_k64; do
+  search --cells "$cell"
+done
 # 5. Advantage staleness of a lag-64 COPC learner of the new defaults, 4 seeds.
 "$python" -m experiments.advantage_staleness.run --seeds 0 1 2 3 \
   --out experiments/advantage_staleness/results_rerun.json --root "$root/advantage_staleness"
