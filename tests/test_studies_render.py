@@ -21,6 +21,7 @@ def load(study):
 @pytest.mark.parametrize("study,name", [(s, "results") for s in STUDIES]
                          + [("presets_across_staleness", "results_full"),
                             ("presets_across_staleness", "results_rerun"),
+                            ("search_stability", "results_rerun"),
                             ("advantage_staleness", "results_rerun"), ("copc_default", "results_rerun"),
                             ("joint_sweep", "exact"),
                             ("joint_sweep", "policy_side"),
