@@ -84,6 +84,11 @@ def run_commits(results: dict) -> str:
   return "commits " + ", ".join(f"{commit} ({n} run{'s' * (n > 1)})" for commit, n in counts.most_common())
 
 
+def grid_provenance(results: dict) -> str:
+  """A grid README's provenance: its runs' commits, the jax version and the machine."""
+  return f"{run_commits(results)}, jax {results['jax_version']}, {results['machine']}"
+
+
 def _config_path_and_arg(config: str, overrides: dict) -> str:
   """`configs/x.py[:preset]`: the preset goes in the config file's argument."""
   return f"{config}:{overrides['preset']}" if "preset" in overrides else config
@@ -622,7 +627,7 @@ def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
   seeds = sorted({int(s) for c in results["cells"].values() for s in c["runs"]})
   text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; "
-          f"{run_commits(results)}, jax {results['jax_version']}, {results['machine']}. "
+          f"{grid_provenance(results)}. "
           "Mean ± half-width of the 95% t interval over seeds; paired differences per seed, over the seeds "
           "both cells ran from one warm start." + warm_start_note(results) + "\n\n"
           + "\n\n".join(tables) + f"\n\n![held-out accuracy curves]({figure})")

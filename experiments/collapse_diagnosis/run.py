@@ -187,7 +187,7 @@ def render(results: dict, name: str = "results_search", here: str = HERE) -> dic
   figure(results, os.path.join(here, f"{task}.png"), list(CELLS)[:8])
   text = (f"**{task}** (`{results['config']}`), lag {LAG}, {results['common_overrides'].get('trainer.steps')} "
           f"updates per run, seeds {sorted({s for e in results['cells'].values() for s in e['runs']})}; "
-          f"{study.run_commits(results)}, jax {results['jax_version']}, {results['machine']}. "
+          f"{study.grid_provenance(results)}. "
           f"Mean ± half-width of the 95% t interval over seeds; paired differences per seed.\n\n"
           + table(results, readings) + f"\n\n![{task}]({task}.png)")
   study.write_between_markers(os.path.join(here, "README.md"), task, text)

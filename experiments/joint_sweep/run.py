@@ -186,7 +186,7 @@ def render_rerun(results: dict, here: str = HERE) -> None:
   grid_size = len(rerun_cells(RERUN["values"], RERUN["lags"]))
   text = (f"Grid so far: {ran} of {grid_size} cells run, seeds {seeds}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; "
-          f"{study.run_commits(results)}, jax {results['jax_version']}, {results['machine']}. Mean ± "
+          f"{study.grid_provenance(results)}. Mean ± "
           "half-width of the 95% t interval over seeds; paired differences per seed."
           + (f" Runs read from another study (the same typed config and warm start): {'; '.join(copied)}."
              if copied else "") + "\n\n" + "\n\n".join(tables)
@@ -269,7 +269,7 @@ def render_rl(results: dict, here: str = HERE, name: str = "results") -> None:
   common = results["common_overrides"]
   text = (f"Grid: {len(cells)} cells, seeds {results['seeds']}, {common.get('trainer.steps')} "
           f"updates per run at lag {common.get('trainer.lag')}; "
-          f"{study.run_commits(results)}, jax {results['jax_version']}, {results['machine']}; {region}.\n\n"
+          f"{study.grid_provenance(results)}; {region}.\n\n"
           + study.table(results) + f"\n\n![RL heatmaps]({figure})")
   study.write_between_markers(os.path.join(here, "README.md"), name, text)
 

@@ -58,7 +58,7 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   study.curves_figure(results, os.path.join(here, figure), groups)
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; "
-          f"{study.run_commits(results)}, jax {results['jax_version']}, {results['machine']}.\n\n"
+          f"{study.grid_provenance(results)}.\n\n"
           + study.table(results, reference="sync_ppo_k0") + f"\n\n![held-out accuracy curves]({figure})")
   study.write_between_markers(os.path.join(here, "README.md"), name, text)
 

@@ -119,7 +119,7 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   reference = "sync_ppo_k0" if results["cells"].get("sync_ppo_k0", {}).get("runs") else None
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
           f"{results['common_overrides'].get('trainer.steps')} updates per run; "
-          f"{study.run_commits(results)}, jax {results['jax_version']}, {results['machine']}.\n\n"
+          f"{study.grid_provenance(results)}.\n\n"
           + study.table(results, reference=reference) + "\n\n**RL gain on held-out questions**\n\n"
           + gain_table(results) + "\n\n![curves](curves.png)")
   study.write_between_markers(os.path.join(here, "README.md"), "results", text)
