@@ -35,8 +35,8 @@ joint_sweep() {
   done
 }
 joint_sweep 64
-# 4. Knowledge search (the second task) at k = 64: its warm starts recorded once (ship them: commit
-#    experiments/warm_starts), then sync PPO and every preset at k = 64.
+# 4. Knowledge search (the second task): its warm starts recorded once (ship them: commit
+#    experiments/warm_starts), then sync PPO, every preset at k = 64, and COPC and async PPO at k = 16.
 "$python" - <<'EOF' || "$python" -m experiments.warm_start_store --config configs/search.py --seeds 0 1 2 3
 import sys
 from experiments import warm_start_store
@@ -47,9 +47,10 @@ search() {
     --root "$root/search_stability" "$@"
 }
 #    A cell's four seeds at a time (a run takes 10-20 minutes here), so each cell that lands can be read:
-#    the reference, the two COPC readings, then the baselines.
-for cell in sync_ppo_k0 copc_k64 copc_anchor_behavior_k64 async_ppo_k64 decoupled_ppo_k64 vtrace_k64 \
-    tis_k64 icepop_k64 grpo_k64 dr_grpo_k64 rloo_k64; do
+#    the reference, the two COPC readings and async PPO at k = 64, the same three at k = 16 (with them
+#    `copc_default --rerun` has every cell it needs), then the other baselines at k = 64.
+for cell in sync_ppo_k0 copc_k64 copc_anchor_behavior_k64 async_ppo_k64 copc_k16 copc_anchor_behavior_k16 \
+    async_ppo_k16 decoupled_ppo_k64 vtrace_k64 tis_k64 icepop_k64 grpo_k64 dr_grpo_k64 rloo_k64; do
   search --cells "$cell"
 done
 # 5. Advantage staleness of a lag-64 COPC learner of the new defaults, 4 seeds.

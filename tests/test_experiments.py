@@ -200,12 +200,14 @@ def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
   calls = [line.split() for line in log.read_text().splitlines()]
   modules = [call[1] for call in calls if call[0] == "-m"]
   search = {c.name for c in search_run.cells(search_run.RERUN["presets"], search_run.RERUN["lags"])}
-  search_k64 = [c for c in search if c.endswith("_k64") or c == "sync_ppo_k0"]
+  early_k16 = ["copc_k16", "copc_anchor_behavior_k16", "async_ppo_k16"]     # what copc_default --rerun needs
+  search_first = [c for c in search if c.endswith("_k64") or c == "sync_ppo_k0"] + early_k16
   joint_sweep = {c.name for c in joint_sweep_run.rerun_cells(joint_sweep_run.RERUN["values"],
                                                              joint_sweep_run.RERUN["lags"])}
   half = ["experiments.joint_sweep.run"] * (len(joint_sweep) // 2 - 1)      # a lag's cells but the spec's
+  search_calls = ["experiments.search_stability.run"] * len(search_first)
   assert modules == (["experiments.presets_across_staleness.run"] * 4 + half
-                     + ["experiments.warm_start_store"] + ["experiments.search_stability.run"] * len(search_k64)
+                     + ["experiments.warm_start_store"] + search_calls
                      + ["experiments.advantage_staleness.run"] + half + ["experiments.search_stability.run"])
   grids = {"experiments.presets_across_staleness.run": {
       c.name for c in presets_run.cells(presets_run.RERUN["presets"], presets_run.RERUN["lags"])},
@@ -222,8 +224,10 @@ def test_the_rerun_plan_calls_each_study_with_flags_and_cells_it_has(tmp_path):
       cells = cells[:next((i for i, c in enumerate(cells) if c.startswith("--")), len(cells))]
       assert set(cells) <= grids[call[1]], set(cells) - grids[call[1]]
       named |= {(call[1], c) for c in cells}
-  # Search runs sync PPO and every preset at k = 64, a cell at a time, before the k = 16 halves.
-  assert {c for m, c in named if m == "experiments.search_stability.run"} == set(search_k64)
+  # Search runs sync PPO, every preset at k = 64 and the cells the copc default needs at k = 16, a cell
+  # at a time, before the k = 16 halves.
+  assert {c for m, c in named if m == "experiments.search_stability.run"} == set(search_first)
+  assert set(early_k16) <= search
   # Every joint-sweep cell but the spec's (copied from the presets study) is named once.
   assert {c for m, c in named if m == "experiments.joint_sweep.run"} == {
       c for c in joint_sweep if not c.startswith("h2_rho2_")}
