@@ -1,7 +1,7 @@
 """Run a study: a grid of config overrides × seeds, each cell a run of the main job; aggregate; render.
 
     from experiments import study
-    cells = [study.Cell("copc_k16", {"preset": "copc", "trainer.mode": "lag", "trainer.lag": 16}), ...]
+    cells = [study.Cell("copc_k16", {"preset": "copc_spec", "trainer.mode": "lag", "trainer.lag": 16}), ...]
     results = study.run(cells, seeds=[0, 1, 2], config="configs/default.py", root=WORKDIRS,
                         out="experiments/<study>/results.json", common={"trainer.steps": 100})
     study.render(results, "experiments/<study>")     # table in README.md, figures as PNG
@@ -520,9 +520,11 @@ _NOMASK = {"preset": "copc_spec", "actor.mask_range": (0.0, INF), "estimator.rho
            "estimator.trace_clip": (0.0, 1.0)}
 CANDIDATES = {"copc_nomask": _NOMASK, "copc_nomask_vtrace_pg": {**_NOMASK, "estimator.lam": 0.8,
                                                                  "estimator.advantage_form": "vtrace_pg"}}
-# Settings the reruns on the new learner run by name: COPC μ-anchored (the collapse diagnosis's stable
+# Settings the reruns on the new learner run by name: the spec's COPC (a study's `copc` cells are the spec's
+# setting, whatever the `copc` preset's current pick), COPC μ-anchored (the collapse diagnosis's stable
 # reading) and the group presets at 4 samples per prompt.
-VARIANTS = {"copc_anchor_behavior": {"preset": "copc", "actor.anchor": "behavior"},
+VARIANTS = {"copc": {"preset": "copc_spec"},
+            "copc_anchor_behavior": {"preset": "copc_spec", "actor.anchor": "behavior"},
             **{group: {"preset": group, "trainer.group_size": 4} for group in ("grpo", "dr_grpo", "rloo")}}
 # The presets every rerun compares, at k = 64 and 16 against sync PPO at k = 0, 4 seeds, 300 updates.
 RERUN_PRESETS = ("async_ppo", "decoupled_ppo", "copc", "copc_anchor_behavior", "vtrace", "tis", "icepop",

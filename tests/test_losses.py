@@ -22,11 +22,24 @@ def tiny_batch(seed=0, batch=3, length=6):
   )
 
 
+def hand_ratios(name, b):
+  """q_t, the ratio of the gradient (π_θ/π_prox, or π_θ/μ for async PPO's own surrogate), and a_t, the
+  ratio the PPO indicator is taken on: q_t, or π_θ/μ where the preset anchors the clip on μ."""
+  actor = presets.get_preset(name).actor
+  theta = b["logp_theta"].astype(np.float64)
+  q = np.exp(theta - (b["logp_behavior"] if actor.policy_ratio == "behavior" else b["logp_prox"]))
+  return q, (np.exp(theta - b["logp_behavior"]) if actor.anchor == "behavior" else q)
+
+
+def hand_clipped(a, adv):
+  """The PPO indicator's clipped tokens: Â > 0 with a > 1 + ε_high, or Â < 0 with a < 1 − ε_low."""
+  return ((adv > 0) & (a > 1 + EPS_HIGH)) | ((adv < 0) & (a < 1 - EPS_LOW))
+
+
 def hand_policy_weight(name, b):
   """w_t of each preset derived by hand: ∂loss/∂log π_θ = −w Â / N."""
   r = np.exp(b["logp_prox"].astype(np.float64) - b["logp_behavior"])
-  anchor = b["logp_behavior"] if name == "async_ppo" else b["logp_prox"]
-  q = np.exp(b["logp_theta"].astype(np.float64) - anchor)
+  q, a = hand_ratios(name, b)
   copc_spec_mask = ((r >= 0.5) & (r <= 2.0)).astype(float)
   behaviour = {
       "sync_ppo": np.ones_like(r), "async_ppo": np.ones_like(r), "vtrace": np.ones_like(r),
@@ -36,9 +49,7 @@ def hand_policy_weight(name, b):
       "copc": copc_spec_mask, "copc_spec": copc_spec_mask,
       "grpo": np.ones_like(r), "dr_grpo": np.ones_like(r), "rloo": np.ones_like(r),
   }[name]
-  adv = b["advantages"]
-  clipped = ((adv > 0) & (q > 1 + EPS_HIGH)) | ((adv < 0) & (q < 1 - EPS_LOW))
-  return np.where(b["mask"] & ~clipped, behaviour * q, 0.0)
+  return np.where(b["mask"] & ~hand_clipped(a, b["advantages"]), behaviour * q, 0.0)
 
 
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
@@ -61,18 +72,19 @@ def test_loss_value_of_each_preset(name):
   b = tiny_batch(2)
   config = presets.get_preset(name).actor
   loss, diag = losses.actor_loss(**b, config=config)
-  w = hand_policy_weight(name, b)  # weight·q where unclipped
-  anchor = b["logp_behavior"] if name == "async_ppo" else b["logp_prox"]
-  q = np.exp(b["logp_theta"].astype(np.float64) - anchor)
+  q, a = hand_ratios(name, b)
   r = np.exp(b["logp_prox"].astype(np.float64) - b["logp_behavior"])
   adv = b["advantages"]
-  weight = np.where(q > 0, w / q, 0.0)
-  # Where the clip is active the behaviour weight is still applied to the clipped term.
-  clipped_q = np.clip(q, 1 - EPS_LOW, 1 + EPS_HIGH)
-  active = b["mask"] & (clipped_q * adv < q * adv)
-  behaviour = losses.behavior_weights(jnp.asarray(r), config)
-  weight = np.where(active, np.asarray(behaviour), weight)
-  expected = -(weight * np.minimum(q * adv, clipped_q * adv) * b["mask"]).sum() / _denominator(config, b)
+  # The behaviour weight b_t applies to the term whether or not the clip is active.
+  behaviour = np.asarray(losses.behavior_weights(jnp.asarray(r), config), np.float64)
+  if a is q:                 # the indicator on q: the clipped term replaces q Â where it is smaller
+    clipped_q = np.clip(q, 1 - EPS_LOW, 1 + EPS_HIGH)
+    active = b["mask"] & (clipped_q * adv < q * adv)
+    term = np.minimum(q * adv, clipped_q * adv)
+  else:                      # the indicator on π_θ/μ: the value stays q Â, the gradient stops there
+    active = b["mask"] & hand_clipped(a, adv)
+    term = q * adv
+  expected = -(behaviour * term * b["mask"]).sum() / _denominator(config, b)
   np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=TOL)
   np.testing.assert_allclose(float(diag["clip_fraction"]), active.sum() / b["mask"].sum(), atol=TOL)
 
@@ -117,7 +129,7 @@ def test_diagnostics_match_hand_computation():
   adv = np.array([[1.0, -1.0, 2.0, 0.0]], np.float32)
   mask = np.array([[True, True, True, True]])
   _, diag = losses.actor_loss(logp_prox, logp_prox, logp_behavior, adv, mask,
-                              presets.get_preset("copc").actor)
+                              presets.get_preset("copc_spec").actor)
   r = np.array([1.0, 4.0, 2.0, 0.5])
   assert float(diag["masked_fraction"]) == pytest.approx(0.25)  # r = 4 is outside [0.5, 2]
   assert float(diag["ratio_mean"]) == pytest.approx(r.mean())
@@ -242,7 +254,7 @@ def test_behavior_anchor_stops_the_tokens_whose_current_ratio_to_mu_left_the_cli
 def test_current_mask_ratio_masks_on_pi_theta_over_mu_without_gradient_through_it():
   """mask_ratio = current: COPC's m_t = 1[0.5 ≤ sg(π_θ/μ) ≤ 2]; the proximal reading keeps π_prox/μ."""
   b = tiny_batch(6)
-  config = dataclasses.replace(presets.get_preset("copc").actor, mask_ratio="current")
+  config = dataclasses.replace(presets.get_preset("copc_spec").actor, mask_ratio="current")
   _, grad = _loss_and_grad(b, config)
   q = np.exp(b["logp_theta"].astype(np.float64) - b["logp_prox"])
   current = np.exp(b["logp_theta"].astype(np.float64) - b["logp_behavior"])

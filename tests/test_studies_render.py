@@ -227,7 +227,7 @@ def test_copc_default_rerun_counts_a_cell_once_every_seed_finished(tmp_path):
   assert module.choose(cells)["pick"] is None
   partial = module.collect(evidence, str(tmp_path), module.RERUN_CANDIDATES)       # the first study's reading
   assert "copc_anchor_behavior" in partial["a, k = 64"]["candidates"]
-  assert module.overrides_of("copc_anchor_behavior") == {"preset": "copc", "actor.anchor": "behavior"}
+  assert module.overrides_of("copc_anchor_behavior") == {"preset": "copc_spec", "actor.anchor": "behavior"}
 
 
 def test_copc_default_table_gives_candidates_and_best_preset_the_same_spread(tmp_path):

@@ -66,7 +66,7 @@ SEEDS = (0, 1, 2)
 
 def estimators_compared():
 
-  copc = presets.get_preset("copc").estimator
+  copc = presets.get_preset("copc_spec").estimator
   gae = presets.get_preset("decoupled_ppo").estimator
   return {"GAE (no correction)": gae,
           "GAE λ = 0.8 (no correction)": dataclasses.replace(gae, lam=0.8),
@@ -101,7 +101,8 @@ def measure_seed(args, seed: int) -> dict:
   """One learner (a lag-max(lags) run of `seed`): per lag, the behaviour episodes and the MC targets."""
 
   config, lags = "configs/default.py", sorted(args.lags)
-  overrides = {"preset": "copc", "trainer.mode": "lag", "trainer.lag": max(lags), "trainer.steps": args.updates,
+  overrides = {"preset": "copc_spec", "trainer.mode": "lag", "trainer.lag": max(lags),
+               "trainer.steps": args.updates,
                "trainer.eval_every": 0, "trainer.checkpoint_every": args.updates, **args.common}
   warm = study.shared_warm_start(config, args.common, seed, args.root)
   train_dir = os.path.join(args.root, f"lag{max(lags)}_updates{args.updates}_seed{seed}")

@@ -32,9 +32,10 @@ TERMS = ("bias_total", "bias_policy", "bias_advantage", "bias_coupled", "varianc
 
 
 def methods() -> dict[str, presets.Preset]:
-  copc = presets.get_preset("copc")
-  chosen = {name: presets.get_preset(name) for name in
-            ("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace", "copc")}
+  copc = presets.get_preset("copc_spec")
+  names = ("async_ppo", "decoupled_ppo", "tis", "icepop", "vtrace")
+  chosen = {name: presets.get_preset(name) for name in names}
+  chosen["copc"] = copc                             # the spec's setting, whatever `copc` picks now
   # The best COPC setting of the two-state toy (issue notes): no mask, no ρ clip, traces (0, 1),
   # λ = 0.8, the vtrace_pg form; and COPC with every clip open (unbiased for g*).
   chosen["copc_toy_best"] = presets.Preset(

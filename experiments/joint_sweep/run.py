@@ -59,7 +59,7 @@ def label(value: float) -> str:
 
 
 def copc_cell(h: float, rho_bar: float, traces: str = "clip") -> presets.Preset:
-  copc = presets.get_preset("copc")
+  copc = presets.get_preset("copc_spec")
   trace = (1 / rho_bar, min(rho_bar, 1.0)) if traces == "clip" else (0.0, 1.0)
   return presets.Preset(dataclasses.replace(copc.estimator, rho_clip=(1 / rho_bar, rho_bar), trace_clip=trace),
                         dataclasses.replace(copc.actor, mask_range=(1 / h, h)))
@@ -136,7 +136,7 @@ def output_name(full: bool, lag: int, policy_side: bool) -> str:
 
 def rl_cells(values) -> list[study.Cell]:
   return [study.Cell(f"h{label(h)}_rho{label(r)}",
-                     {"preset": "copc", "actor.mask_range": (1 / h, h), "estimator.rho_clip": (1 / r, r),
+                     {"preset": "copc_spec", "actor.mask_range": (1 / h, h), "estimator.rho_clip": (1 / r, r),
                       "estimator.trace_clip": (1 / r, min(r, 1.0))})
           for h in values for r in values]
 
