@@ -8,7 +8,8 @@
 | tis             | PPO vs π_prox × min(r, C = 2)       | GAE                        |
 | icepop / mis    | PPO vs π_prox × r·1[0.5 ≤ r ≤ 5]    | GAE                        |
 | vtrace          | PPO vs π_prox                       | V-trace, one-sided clips   |
-| copc / copc_spec| token mask 1[0.5 ≤ r ≤ 2]           | two-sided clipped TD       |
+| copc_spec       | token mask 1[0.5 ≤ r ≤ 2]           | two-sided clipped TD       |
+| copc            | copc_spec, the PPO clip on π_θ/μ    | two-sided clipped TD       |
 | grpo            | PPO vs π_prox                       | (R − mean_g) / std_g       |
 | dr_grpo         | PPO vs π_prox, token sum / constant | R − mean_g                 |
 | rloo            | PPO vs π_prox                       | R − leave-one-out mean     |
@@ -21,7 +22,8 @@ being updated, so the policy channel carries none.
 
 `copc_spec` is the setting the spec writes down (the paper's own values are not public);
 `copc` is the setting picked by the rule of `experiments/copc_default/` (what the evidence says,
-and how strongly, is in that study's README, not here).
+and how strongly, is in that study's README, not here): today the spec's setting with the PPO
+indicator taken on π_θ/μ (`actor.anchor = "behavior"`, see `losses`).
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ PRESETS: dict[str, Preset] = {
     "dr_grpo": Preset(_group("dr_grpo"), ActorLossConfig(behavior_weight="none", aggregation="token_sum")),
     "rloo": Preset(_group("rloo"), ActorLossConfig(behavior_weight="none")),
     "copc_spec": _COPC_SPEC,
-    "copc": _COPC_SPEC,       # the pick of experiments/copc_default (its test holds the two together)
+    # The pick of experiments/copc_default (its test holds the two together): the spec's setting with the
+    # PPO indicator on π_θ/μ.
+    "copc": Preset(_COPC_SPEC.estimator, dataclasses.replace(_COPC_SPEC.actor, anchor="behavior")),
 }
 
 

@@ -2,6 +2,7 @@
 
   python -m experiments.numerics_fingerprint            # print the fingerprint of this commit
   python -m experiments.numerics_fingerprint --update   # record it in tests/fixtures/ (say why in the commit)
+  python -m experiments.numerics_fingerprint --update --drop-other-cpus   # a change meant to move them
 
 The default config (`configs/default.py`) with a short warm start (40 steps), then 4 lag-mode updates
 (k = 2) of 8 episodes against two real JetStream servers, and a greedy evaluation on 8 held-out
@@ -79,9 +80,10 @@ def recordings() -> list[dict]:
     return json.load(f)["recordings"]
 
 
-def record(result: dict) -> None:
-  """`result` into the fixture, replacing the recording of this CPU's instruction set."""
-  kept = [r for r in recordings() if r["cpu"] != result["cpu"]] if os.path.exists(FIXTURE) else []
+def record(result: dict, *, others: bool = True) -> None:
+  """`result` into the fixture, replacing the recording of this CPU's instruction set; `others=False`
+  drops every other CPU's as well (the numerics changed on purpose, so theirs hold the old ones)."""
+  kept = [r for r in recordings() if r["cpu"] != result["cpu"]] if others and os.path.exists(FIXTURE) else []
   with open(FIXTURE, "w") as f:
     json.dump({"recordings": [*kept, result]}, f, indent=1)
     f.write("\n")
@@ -91,6 +93,10 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--update", action="store_true",
                       help=f"record it for this CPU in {os.path.relpath(FIXTURE, ROOT)}")
+  parser.add_argument("--drop-other-cpus", action="store_true",
+                      help="with --update, after a change meant to move the numerics: drop the other CPUs' "
+                           "recordings (until they record their own they compare to this one within the "
+                           "cross-CPU drift)")
   parser.add_argument("--out", help="write it to this file")
   args = parser.parse_args()
   if jax_device_count() != 1:
@@ -99,7 +105,7 @@ def main():
     result = fingerprint(tmp)
   print(json.dumps(result, indent=1))
   if args.update:
-    record(result)
+    record(result, others=not args.drop_other_cpus)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)

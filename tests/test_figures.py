@@ -21,7 +21,11 @@ def test_a_preset_keeps_its_colour_in_every_cell_name():
 
 
 def test_every_distinct_preset_has_a_colour_of_its_own():
-  colours = [figures.color_of(name) for name in presets.DISTINCT]
+  """Per distinct setting, the name the studies plot it under: `copc`, the pick of experiments/copc_default,
+  under the picked setting's own name (a study's `copc` cells are the spec's setting, `copc_spec`)."""
+  picked = {"copc": "copc_anchor_behavior"}
+  assert presets.get_preset("copc").actor.anchor == "behavior"          # what `picked` says `copc` is
+  colours = [figures.color_of(picked.get(name, name)) for name in presets.DISTINCT]
   assert figures.OTHER_COLOR not in colours
   assert len(set(colours)) == len(colours)
 

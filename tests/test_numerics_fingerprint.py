@@ -42,3 +42,13 @@ def test_the_default_configs_numerics_match_the_recorded_fingerprint(tmp_path):
       as_float = lambda v: np.nan if v is None else v          # null: undefined (equal when both are)
       np.testing.assert_allclose(as_float(mine[key]), as_float(theirs[key]), rtol=rtol, atol=atol,
                                  err_msg=f"update {mine['step']}, {key}: {advice}")
+
+
+def test_a_recording_replaces_this_cpus_and_a_deliberate_change_drops_the_others(tmp_path, monkeypatch):
+  monkeypatch.setattr(numerics_fingerprint, "FIXTURE", str(tmp_path / "fingerprint.json"))
+  numerics_fingerprint.record({"cpu": "a", "n": 1})
+  numerics_fingerprint.record({"cpu": "b", "n": 1})
+  numerics_fingerprint.record({"cpu": "a", "n": 2})
+  assert numerics_fingerprint.recordings() == [{"cpu": "b", "n": 1}, {"cpu": "a", "n": 2}]
+  numerics_fingerprint.record({"cpu": "a", "n": 3}, others=False)
+  assert numerics_fingerprint.recordings() == [{"cpu": "a", "n": 3}]

@@ -8,8 +8,9 @@
       # the learner as the field runs it (the default config's minibatches, critic warm-up, centred
       # whitening), from the shipped warm starts; rendered between the README's results_rerun markers
 
-1. Per seed, a lag-64 COPC run of the default task (`--updates` updates from the shared warm start of
-   that seed) leaves the learner at version U and keeps the weights of versions U − 64 … U.
+1. Per seed, a lag-64 COPC run (`LEARNER`: the PPO clip on μ) of the default task (`--updates` updates
+   from the shared warm start of that seed) leaves the learner at version U and keeps the weights of
+   versions U − 64 … U.
 2. For each lag k, episodes of `--episodes` training prompts are generated with version U − k
    (μ) through a JetStream server, and the learner at version U (π, its critic V) computes each
    estimator's advantages on them, before whitening, as in a training step.
@@ -62,6 +63,11 @@ LAGS = (0, 1, 4, 16, 64)
 # the preset whose colour an estimator's curves take (GAE is decoupled PPO's estimator)
 ESTIMATOR_PRESET = {"GAE": "decoupled_ppo", "V-trace": "vtrace", "COPC": "copc"}
 SEEDS = (0, 1, 2)
+# The lag run's learner: the spec's COPC with the PPO clip on μ (the default `copc`). The spec's own setting
+# collapses at lag 64 by update 20-40 on every seed of the rerun (presets_across_staleness,
+# results_rerun.json), which would leave no learner to pool; the anchor changes only the policy loss, so
+# the estimators compared below, computed from this learner's π and critic, are the spec's.
+LEARNER = {"preset": "copc_spec", "actor.anchor": "behavior"}
 
 
 def estimators_compared():
@@ -101,7 +107,7 @@ def measure_seed(args, seed: int) -> dict:
   """One learner (a lag-max(lags) run of `seed`): per lag, the behaviour episodes and the MC targets."""
 
   config, lags = "configs/default.py", sorted(args.lags)
-  overrides = {"preset": "copc_spec", "trainer.mode": "lag", "trainer.lag": max(lags),
+  overrides = {**LEARNER, "trainer.mode": "lag", "trainer.lag": max(lags),
                "trainer.steps": args.updates,
                "trainer.eval_every": 0, "trainer.checkpoint_every": args.updates, **args.common}
   warm = study.shared_warm_start(config, args.common, seed, args.root)
@@ -192,6 +198,7 @@ def measure(args, results: dict) -> dict:
     per_seed[str(seed)] = measure_seed(args, seed)
     results.update({"description": __doc__.splitlines()[0], "episodes": args.episodes,
                     "mc_continuations": args.mc, "updates": args.updates, "lag_of_training_run": max(args.lags),
+                    "learner_overrides": LEARNER,
                     "estimators": list(estimators_compared()), "jax_version": jax.__version__,
                     "git_commit": study.git_commit(), **study.provenance()})
     pool(results, args.resamples)
@@ -275,7 +282,9 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   apart = (f" Seed{'s' * (len(collapsed) > 1)} {', '.join(collapsed)}: the learner collapsed (its own "
            f"episodes, k = 0, earn more than {study.COLLAPSE_DROP} less reward than its best earlier version), "
            f"reported apart below, not pooled." if collapsed else " No learner collapsed.")
-  lines = [f"Seeds {', '.join(seeds)}: the learner of a lag-{r['lag_of_training_run']} COPC run after "
+  setting = (" (" + ", ".join(f"{k}={v}" for k, v in r["learner_overrides"].items()) + ")"
+             if "learner_overrides" in r else "")        # before it was recorded: the spec's setting
+  lines = [f"Seeds {', '.join(seeds)}: the learner of a lag-{r['lag_of_training_run']} COPC run{setting} after "
            f"{r['updates']} updates (versions {versions}), its critic; {r['episodes']} episodes per lag and "
            f"seed, M = {r['mc_continuations']}. Reward of the behaviour episodes at k = {', '.join(lags)} "
            f"({rewards}).{apart} Pooled: the tokens of seeds {', '.join(healthy)}. Brackets: 95% bootstrap "
