@@ -102,6 +102,16 @@ def test_advantage_staleness_statistics():
       pytest.approx(0.25)
   low, high = metrics["noisy"]["mse"]["ci95"]
   assert low < 1.0 < high                                   # Var = 1 inside its bootstrap CI
+  # Paired against its control on the same tokens: the mean of the squared errors' difference.
+  tokens = [{"mc_advantage": float(a), "mc_variance": 0.3, "episode": i // 4,
+             "estimators": {"GAE (no correction)": float(a + 1.0), "V-trace": float(a + 0.5),
+                            "COPC (defaults)": float(a + 1.0)}} for i, a in enumerate(target)]
+  metrics = module.summarise(tokens, resamples=200)
+  paired = {name: m.get("mse_minus_control") for name, m in metrics.items()}
+  assert paired["GAE (no correction)"] is None                       # a control has none of its own
+  assert paired["V-trace"]["control"] == "GAE (no correction)"
+  assert paired["V-trace"]["value"] == pytest.approx(0.25 - 1.0)   # the MC noise cancels
+  assert paired["COPC (defaults)"]["value"] == pytest.approx(0.0, abs=1e-12)
   trajectory = agent.Trajectory(prompt_ids=[1], token_ids=list(range(10)),
                                 mask=[True] * 4 + [False] * 2 + [True] * 4)
   chosen = module.chosen_positions(trajectory, random.Random(0), extra=1)

@@ -25,7 +25,9 @@
    `study.COLLAPSE_DROP` less reward than the best of its earlier versions measured (U − k): its
    critic and policy then describe a different task, and it is reported apart, not pooled.
 
-GAE with λ = 0.8 and no correction is the control for the toy's best COPC setting (λ = 0.8,
+Each corrected estimator is paired with its uncorrected control on the same tokens (`CONTROL`: the
+difference of squared errors, whose MC noise cancels, bootstrapped over episodes): GAE with λ = 1
+for V-trace and COPC's defaults, GAE with λ = 0.8 for the toy's best COPC setting (λ = 0.8,
 truncated traces, `vtrace_pg`): what both gain over λ = 1 is the shorter trace, and only a gap that
 opens between them as k grows is the correction of staleness.
 """
@@ -80,6 +82,11 @@ def estimators_compared():
           "COPC (defaults)": copc,
           "COPC (toy's best)": dataclasses.replace(copc, rho_clip=(0.0, float("inf")), trace_clip=(0.0, 1.0),
                                                    lam=0.8, advantage_form="vtrace_pg")}
+
+
+# each corrected estimator's control: the same trace length, no correction
+CONTROL = {"V-trace": "GAE (no correction)", "COPC (defaults)": "GAE (no correction)",
+           "COPC (toy's best)": "GAE λ = 0.8 (no correction)"}
 
 
 def chosen_positions(trajectory, rng: random.Random, extra: int = 1) -> list[int]:
@@ -217,8 +224,9 @@ def pool(results: dict, resamples: int = 2000) -> None:
 
 
 def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
-  """Per estimator: bias, noise-corrected MSE and correlation against the MC advantage, with 95% CIs
-  from a bootstrap over episodes (a token without an `episode` is its own)."""
+  """Per estimator: bias, noise-corrected MSE and correlation against the MC advantage, and for the
+  corrected ones the paired MSE difference against `CONTROL` (mean over tokens of (Â − A)² − (Â_c − A)²),
+  with 95% CIs from a bootstrap over episodes (a token without an `episode` is its own)."""
   target = np.array([t["mc_advantage"] for t in tokens])
   noise = np.array([t["mc_variance"] for t in tokens])
   groups: dict = {}
@@ -229,9 +237,11 @@ def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
   boot = [np.concatenate([groups[j] for j in rng.integers(0, len(groups), len(groups))])
           for _ in range(resamples)]
   out = {}
+  errors = {name: np.array([t["estimators"][name] for t in tokens]) - target
+            for name in tokens[0]["estimators"]}
   for name in tokens[0]["estimators"]:
     estimate = np.array([t["estimators"][name] for t in tokens])
-    error = estimate - target
+    error = errors[name]
     stats = lambda idx, error=error, estimate=estimate: (
         error[idx].mean(), (error[idx] ** 2 - noise[idx]).mean(),
         np.corrcoef(estimate[idx], target[idx])[0, 1] if target[idx].std() > 0 else np.nan)
@@ -242,6 +252,11 @@ def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
       ci = [(np.nanpercentile(draws[:, j], 2.5), np.nanpercentile(draws[:, j], 97.5)) for j in range(3)]
     out[name] = {key: {"value": float(p), "ci95": [float(ci[j][0]), float(ci[j][1])]}
                  for j, (key, p) in enumerate(zip(("bias", "mse", "correlation"), point, strict=True))}
+    if CONTROL.get(name) in errors:
+      gap = error ** 2 - errors[CONTROL[name]] ** 2
+      draws = [gap[idx].mean() for idx in boot]
+      out[name]["mse_minus_control"] = {"value": float(gap.mean()), "control": CONTROL[name],
+                                        "ci95": [float(np.percentile(draws, q)) for q in (2.5, 97.5)]}
   return out
 
 
@@ -300,10 +315,13 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
 
 def error_table(rows: dict, results: dict, seeds: list[str], lags: list[str], names: list[str], *,
                 per_seed: bool) -> list[str]:
-  """Markdown rows: per lag and estimator, bias / MSE / correlation with CIs (and each seed's MSE)."""
+  """Markdown rows: per lag and estimator, bias / MSE / correlation with CIs, the paired MSE difference
+  against the estimator's control where the JSON has it, and each seed's MSE."""
   f = lambda s: f"{s['value']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
+  paired = any("mse_minus_control" in m for row in rows.values() for m in row["metrics"].values())
   lines = ["| k | tokens | mean abs log r | tokens outside (0.5, 2) | estimator | bias | MSE | correlation |"
-           + " MSE per seed |" * per_seed, "|---:|---:|---:|---:|---|---:|---:|---:|" + "---:|" * per_seed]
+           + " MSE − its control's (paired) |" * paired + " MSE per seed |" * per_seed,
+           "|---:|---:|---:|---:|---|---:|---:|---:|" + "---:|" * paired + "---:|" * per_seed]
   for k in [k for k in lags if k in rows]:
     row = rows[k]
     tokens = row["tokens"] if isinstance(row["tokens"], int) else len(row["tokens"])
@@ -312,6 +330,9 @@ def error_table(rows: dict, results: dict, seeds: list[str], lags: list[str], na
       head = (f"| {k} | {tokens} | {row['abs_log_ratio_mean']:.3f} | "
               f"{row['outside_default_mask']:.3f} |") if j == 0 else "| | | | |"
       line = f"{head} {name} | {f(m['bias'])} | {f(m['mse'])} | {f(m['correlation'])} |"
+      if paired:
+        line += (" " + f(m["mse_minus_control"]).replace("-0.000", "0.000") + " |"   # identical estimates
+                 if "mse_minus_control" in m else " – |")
       if per_seed:
         line += " " + " / ".join(f"{results['seeds'][s]['lags'][k]['metrics'][name]['mse']['value']:.3f}"
                                  for s in seeds if k in results["seeds"][s]["lags"]) + " |"
