@@ -237,10 +237,9 @@ def summarise(tokens: list[dict], resamples: int = 2000) -> dict:
   boot = [np.concatenate([groups[j] for j in rng.integers(0, len(groups), len(groups))])
           for _ in range(resamples)]
   out = {}
-  errors = {name: np.array([t["estimators"][name] for t in tokens]) - target
-            for name in tokens[0]["estimators"]}
-  for name in tokens[0]["estimators"]:
-    estimate = np.array([t["estimators"][name] for t in tokens])
+  estimates = {name: np.array([t["estimators"][name] for t in tokens]) for name in tokens[0]["estimators"]}
+  errors = {name: estimate - target for name, estimate in estimates.items()}
+  for name, estimate in estimates.items():
     error = errors[name]
     stats = lambda idx, error=error, estimate=estimate: (
         error[idx].mean(), (error[idx] ** 2 - noise[idx]).mean(),
