@@ -612,10 +612,51 @@ def comparison_table(results: dict, cells: list[str], reference: str, baseline: 
   return "\n".join(lines)
 
 
-def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
+EARLY_UPDATES = 25     # the windows of `early_signs_table` (the reruns collapse by update 25-75)
+LATE_UPDATES = 50
+
+
+def _range(values, digits: int = 3) -> str:
+  """lowest–highest of the seeds' values ("–" if none)."""
+  values = [v for v in values if v is not None]
+  if not values:
+    return "–"
+  low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+  return low if low == high else f"{low}–{high}"
+
+
+def early_signs_table(results: dict, cells: list[str]) -> str:
+  """Markdown: what moves before a collapse, one row per cell, each entry the range over seeds
+  (lowest–highest) of a run's mean over a window of updates: KL(μ‖π) (k3, from μ's log-probs) and the
+  policy's entropy over updates 1–25 and over the last 50, and the PPO clip fraction over updates 1–25
+  (the run's mean and its largest single update)."""
+  e, late = EARLY_UPDATES, LATE_UPDATES
+  columns = [("kl_behavior", 0, e, np.mean), ("kl_behavior", -late, None, np.mean),
+             ("entropy", 0, e, np.mean), ("entropy", -late, None, np.mean),
+             ("clip_fraction", 0, e, np.mean), ("clip_fraction", 0, e, np.max)]
+  lines = [f"| cell | seeds | KL(μ‖π), updates 1–{e} | KL(μ‖π), last {late} | entropy, updates 1–{e} | "
+           f"entropy, last {late} | clip fraction, updates 1–{e} | clip fraction, largest in 1–{e} |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for name in cells:
+    runs = list(results["cells"].get(name, {}).get("runs", {}).values())
+    if not runs:
+      continue
+    entries = []
+    for key, start, stop, reduce in columns:
+      per_seed = []
+      for run in runs:
+        window = [v for v in run.get("series", {}).get(key, [])[start:stop] if v is not None]
+        per_seed.append(float(reduce(window)) if window else None)
+      entries.append(_range(per_seed))
+    lines.append(f"| {name} | {len(runs)} | " + " | ".join(entries) + " |")
+  return "\n".join(lines)
+
+
+def render_by_lag(results: dict, readme: str, marker: str, figure: str, early_signs: bool = False) -> None:
   """The reruns' rendering: one comparison table per lag (95% intervals, paired differences against
   the k = 0 reference `sync_ppo_k0` and the best non-COPC baseline at that lag, Fisher tests of collapse
-  counts) and the curves figure (`figure`, beside `readme`), between `marker`'s markers."""
+  counts), with `early_signs` each lag's `early_signs_table`, and the curves figure (`figure`, beside
+  `readme`), between `marker`'s markers."""
   lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()
                  if c["overrides"].get("trainer.lag")}, reverse=True)
   groups, tables = {}, []
@@ -625,6 +666,9 @@ def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
     groups[f"k = {lag} (sync PPO: k = 0)"] = ["sync_ppo_k0", *names]
     tables.append(f"**k = {lag}** (best baseline: {baseline or 'none run yet'})\n\n"
                   + comparison_table(results, ["sync_ppo_k0", *names], "sync_ppo_k0", baseline))
+    if early_signs:
+      tables.append(f"What moves before a collapse at k = {lag} (range over seeds of each run's mean over "
+                    f"the window):\n\n" + early_signs_table(results, ["sync_ppo_k0", *names]))
   curves_figure(results, os.path.join(os.path.dirname(readme), figure), groups)
   seeds = sorted({int(s) for c in results["cells"].values() for s in c["runs"]})
   text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "

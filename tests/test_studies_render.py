@@ -317,3 +317,20 @@ def test_runs_from_another_warm_start_are_not_paired_and_are_named(tmp_path):
   first = study.digest(str(tmp_path / "a"))
   (tmp_path / "a" / "b" / "w").write_bytes(b"2")
   assert study.digest(str(tmp_path / "a")) != first and len(first) == 16
+
+
+def test_the_early_signs_table_gives_each_windows_range_over_seeds():
+  from experiments import study
+  def run(kl, entropy, clip):
+    return {"series": {"kl_behavior": kl, "entropy": entropy, "clip_fraction": clip}}
+  updates = 60
+  runs = {"0": run([0.1] * 25 + [1.0] * 35, [0.02] * updates, [0.0] * 24 + [0.5] + [0.9] * 35),
+          "1": run([0.3] * 25 + [None] * 5 + [2.0] * 30, [0.04] * 10 + [0.2] * 50, [0.1] * updates)}
+  results = {"cells": {"x_k64": {"runs": runs}, "empty_k64": {"runs": {}}}}
+  table = study.early_signs_table(results, ["x_k64", "empty_k64", "missing_k64"]).splitlines()
+  assert len(table) == 3 and "KL(μ‖π), updates 1–25" in table[0]
+  # KL 1–25: 0.1 and 0.3; last 50 (updates 11–60): seed 0 (15·0.1 + 35·1) / 50 = 0.73, seed 1
+  # (15·0.3 + 30·2) / 45 = 1.433 (None skipped); entropy 1–25: 0.02 and (10·0.04 + 15·0.2) / 25 = 0.136;
+  # last 50: 0.02 and 0.2; clip 1–25: mean 0.02 and 0.1, largest 0.5 and 0.1.
+  assert table[2] == ("| x_k64 | 2 | 0.100–0.300 | 0.730–1.433 | 0.020–0.136 | 0.020–0.200 | "
+                      "0.020–0.100 | 0.100–0.500 |")
