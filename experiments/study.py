@@ -621,7 +621,8 @@ def _range(values, digits: int = 3) -> str:
   values = [v for v in values if v is not None]
   if not values:
     return "–"
-  low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+  zero = f"{0:.{digits}f}"
+  low, high = (f"{v:.{digits}f}".replace(f"-{zero}", zero) for v in (min(values), max(values)))   # no "-0.000"
   return low if low == high else f"{low}–{high}"
 
 
@@ -652,10 +653,10 @@ def early_signs_table(results: dict, cells: list[str]) -> str:
   return "\n".join(lines)
 
 
-def render_by_lag(results: dict, readme: str, marker: str, figure: str, early_signs: bool = False) -> None:
+def render_by_lag(results: dict, readme: str, marker: str, figure: str) -> None:
   """The reruns' rendering: one comparison table per lag (95% intervals, paired differences against
   the k = 0 reference `sync_ppo_k0` and the best non-COPC baseline at that lag, Fisher tests of collapse
-  counts), with `early_signs` each lag's `early_signs_table`, and the curves figure (`figure`, beside
+  counts), each lag's `early_signs_table`, and the curves figure (`figure`, beside
   `readme`), between `marker`'s markers."""
   lags = sorted({c["overrides"]["trainer.lag"] for c in results["cells"].values()
                  if c["overrides"].get("trainer.lag")}, reverse=True)
@@ -666,9 +667,8 @@ def render_by_lag(results: dict, readme: str, marker: str, figure: str, early_si
     groups[f"k = {lag} (sync PPO: k = 0)"] = ["sync_ppo_k0", *names]
     tables.append(f"**k = {lag}** (best baseline: {baseline or 'none run yet'})\n\n"
                   + comparison_table(results, ["sync_ppo_k0", *names], "sync_ppo_k0", baseline))
-    if early_signs:
-      tables.append(f"What moves before a collapse at k = {lag} (range over seeds of each run's mean over "
-                    f"the window):\n\n" + early_signs_table(results, ["sync_ppo_k0", *names]))
+    tables.append(f"What moves before a collapse at k = {lag} (range over seeds of each run's mean over the "
+                  f"window):\n\n" + early_signs_table(results, ["sync_ppo_k0", *names]))
   curves_figure(results, os.path.join(os.path.dirname(readme), figure), groups)
   seeds = sorted({int(s) for c in results["cells"].values() for s in c["runs"]})
   text = (f"Grid so far: {sum(bool(c['runs']) for c in results['cells'].values())} cells, seeds {seeds}, "

@@ -334,3 +334,4 @@ def test_the_early_signs_table_gives_each_windows_range_over_seeds():
   # last 50: 0.02 and 0.2; clip 1–25: mean 0.02 and 0.1, largest 0.5 and 0.1.
   assert table[2] == ("| x_k64 | 2 | 0.100–0.300 | 0.730–1.433 | 0.020–0.136 | 0.020–0.200 | "
                       "0.020–0.100 | 0.100–0.500 |")
+  assert study._range([-1e-5, 0.0]) == "0.000" and study._range([]) == "–"   # k3's rounding noise has no sign

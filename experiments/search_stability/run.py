@@ -114,8 +114,7 @@ def render(results: dict, here: str = HERE, name: str = "results") -> None:
   """README.md between `name`'s markers: the first study's tables and figure (`results`), or the rerun's
   comparison by lag (`results_rerun`)."""
   if name == "results_rerun":
-    return study.render_by_lag(results, os.path.join(here, "README.md"), "results_rerun", "curves_rerun.png",
-                               early_signs=True)
+    return study.render_by_lag(results, os.path.join(here, "README.md"), "results_rerun", "curves_rerun.png")
   figure(results, os.path.join(here, "curves.png"))
   reference = "sync_ppo_k0" if results["cells"].get("sync_ppo_k0", {}).get("runs") else None
   text = (f"Grid: {len(results['cells'])} cells, seeds {results['seeds']}, "
